@@ -1,0 +1,130 @@
+"""The ``refusion`` command line: generate, plugins, train (and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from refusion.core.config import ConfigError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off by default)")
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text``, through the tokenizer's chat template when it has one and ``chat``."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def decoder_config(decoder: str, config_file: str | None, overrides: list[str]) -> dict:
+    """The config mapping from ``--decoder``, ``--config`` and ``--set`` (later ones win)."""
+    from refusion.core.config import apply_overrides, load_config_file
+
+    cfg = load_config_file(config_file) if config_file else {}
+    if decoder:
+        if cfg.get("decoder", decoder) != decoder:
+            raise ConfigError(f"--decoder {decoder!r} contradicts decoder {cfg['decoder']!r} in {config_file}")
+        cfg["decoder"] = decoder
+    return apply_overrides(cfg, overrides)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from refusion.core.config import build_decoder
+    from refusion.models.backend import Backbone
+
+    cfg = decoder_config(args.decoder, args.config, args.set)
+    from refusion.core.config import validate_config
+
+    validate_config(cfg)  # fail on a bad config before loading a model
+    backbone = Backbone.from_pretrained(
+        args.model, device=args.device, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
+    )
+    decoder = build_decoder(backbone, cfg)
+    if not args.prompt:
+        raise ConfigError("--prompt: empty prompt; give some text")
+    result = decoder.generate(encode_prompt(backbone.tokenizer, args.prompt, chat=not args.no_chat_template))
+    if args.json:
+        print(json.dumps(result.as_dict(with_trace=args.trace)))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(result.text)
+    table = Table(title=f"{cfg['decoder']} on {args.model}")
+    table.add_column("stat")
+    table.add_column("value", justify="right")
+    for key, value in result.stats.as_dict().items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from refusion.core.registry import get_registry
+
+    rows = get_registry().entries()
+    if args.json:
+        print(json.dumps([{"kind": e.kind, "name": e.name, "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
+                           "origin": e.origin} for e in rows]))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="registered parts")
+    for col in ("kind", "name", "class", "origin"):
+        table.add_column(col)
+    for e in rows:
+        table.add_row(e.kind, e.name, f"{e.cls.__module__}.{e.cls.__qualname__}", e.origin)
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refusion", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt and print the completion with stats")
+    g.add_argument("--model", required=True, help="model folder or shipped checkpoint name")
+    g.add_argument("--decoder", default="", help="registered decoder name (refusion, ar, ...)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--config", help="YAML or TOML decoder config")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--trace", action="store_true", help="with --json: include the per-iteration trace")
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
+    _add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plugins", help="list every registered part with its kind and origin")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    from refusion.training.cli import add_train_command
+
+    add_train_command(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

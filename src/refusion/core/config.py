@@ -1,0 +1,164 @@
+"""Decoder configuration: pydantic v2 models, YAML/TOML files and ``--set key=value`` overrides.
+
+A config is a flat mapping: ``decoder`` names a registered decoder, the other top-level keys are that
+decoder's options. Options whose field name is a part kind (``scorer``, ``drafter``, ``selector``,
+``verifier``, ``cache``) name a registered part, either as a bare string or as a mapping with ``name``
+plus that part's own options::
+
+    decoder: refusion
+    gen_length: 256
+    slot_size: 8
+    scorer: mean_prob                       # swapping the scorer is this one line
+    selector: {name: threshold, slot_threshold: 0.9}
+    verifier: {name: prefix, token_threshold: 0.4}
+
+Every level rejects unknown fields, and errors name the field (``selector.slot_threshold``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from refusion.core.interfaces import Decoder, DecoderOptions, Part
+from refusion.core.registry import KINDS, Registry, get_registry
+
+if TYPE_CHECKING:
+    from refusion.models.backend import Backbone
+
+PART_KINDS = tuple(k for k in KINDS if k not in ("decoder", "objective"))
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names every offending field."""
+
+
+class PartSpec(BaseModel):
+    """A part chosen by registered ``name``; the remaining fields are that part's options."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @property
+    def part_options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def dump(self) -> str | dict[str, Any]:
+        return {"name": self.name, **self.part_options} if self.model_extra else self.name
+
+
+def part_fields(options_cls: type[BaseModel]) -> dict[str, str]:
+    """Field name -> default part name, for the fields of a decoder's Options that are parts."""
+    out = {}
+    for fname, info in options_cls.model_fields.items():
+        if fname in PART_KINDS and info.annotation is PartSpec:
+            out[fname] = info.default.name
+    return out
+
+
+def _format(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{loc or '<root>'}: {msg}{got}")
+    return "; ".join(lines)
+
+
+def validate_config(config: dict[str, Any], registry: Registry | None = None) -> tuple[type[Decoder], DecoderOptions, dict[str, Part]]:
+    """Validate a config mapping -> (decoder class, its options, its instantiated parts)."""
+    registry = registry or get_registry()
+    cfg = dict(config)
+    if "decoder" not in cfg:
+        raise ConfigError(f"decoder: missing; allowed: {', '.join(registry.names('decoder'))}")
+    try:
+        dec_cls = registry.get("decoder", str(cfg.pop("decoder")))
+    except ValueError as e:
+        raise ConfigError(f"decoder: {e}") from None
+    defaults = part_fields(dec_cls.Options)
+    for fname, default_name in defaults.items():  # `selector.slot_threshold=...` without a name keeps the default part
+        if isinstance(cfg.get(fname), dict) and "name" not in cfg[fname]:
+            cfg[fname] = {"name": default_name, **cfg[fname]}
+    try:
+        options = dec_cls.Options.model_validate(cfg)
+    except ValidationError as e:
+        raise ConfigError(f"invalid {dec_cls.name} config: {_format(e)}") from None
+    parts: dict[str, Part] = {}
+    for kind in defaults:
+        spec: PartSpec = getattr(options, kind)
+        try:
+            part_cls = registry.get(kind, spec.name)
+        except ValueError as e:
+            raise ConfigError(f"{kind}: {e}") from None
+        try:
+            part_opts = part_cls.Options.model_validate(spec.part_options)
+        except ValidationError as e:
+            raise ConfigError(f"invalid {dec_cls.name} config: {_format(e, kind)}") from None
+        parts[kind] = part_cls(part_opts)
+    return dec_cls, options, parts
+
+
+def build_decoder(backbone: "Backbone", config: dict[str, Any], registry: Registry | None = None) -> Decoder:
+    """Validate ``config`` and instantiate the decoder on ``backbone`` (refuses a mismatched model)."""
+    dec_cls, options, parts = validate_config(config, registry)
+    return dec_cls(backbone, options, parts)
+
+
+def dump_config(decoder: str, options: DecoderOptions) -> dict[str, Any]:
+    """A config mapping that :func:`validate_config` turns back into ``options``."""
+    out: dict[str, Any] = {"decoder": decoder}
+    for fname in type(options).model_fields:
+        value = getattr(options, fname)
+        out[fname] = value.dump() if isinstance(value, PartSpec) else value
+    return out
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file into a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif p.suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ConfigError(f"config file {str(p)!r}: unknown format {p.suffix!r}; allowed: .yaml, .yml, .toml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` overrides (dotted keys reach part options; values parsed as YAML scalars)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        path = key.strip().split(".")
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            if isinstance(child, str):
+                child = {"name": child}
+            elif not isinstance(child, dict):
+                child = {}
+            node[part] = child
+            node = child
+        node[path[-1]] = value
+    return out

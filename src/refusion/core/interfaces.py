@@ -1,0 +1,157 @@
+"""The parts a decoder is built from, and the decoder itself.
+
+Each part is a small class with a nested pydantic ``Options`` model (unknown fields rejected) and one
+method over tensors, so that a third-party part is a function of tensors a test can call without a
+model. Parts know nothing about the loop that calls them.
+
+Logits semantics every part relies on (causal ReFusion/Qwen3 backbone): logits at a [MASK] input
+predict the token at that same position; logits at a real token predict the next token.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from refusion.core.types import DecodeResult, DecodeStats, LoopOutput, Proposal, Verdict
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from refusion.models.backend import Backbone
+
+
+class Options(BaseModel):
+    """Base of every part's and decoder's options: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Part:
+    """A configurable component; ``kind`` is its registry kind."""
+
+    kind: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = Options
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+
+class Drafter(Part):
+    """Turns logits at [MASK] positions into a proposal."""
+
+    kind = "drafter"
+
+    @abstractmethod
+    def draft(self, logits: Tensor, generator: torch.Generator | None = None) -> Proposal:
+        """``logits [S, k, V]`` (at [MASK] inputs: each predicts its own position) -> Proposal."""
+
+
+class Scorer(Part):
+    """Confidence of each drafted slot; higher means more confident."""
+
+    kind = "scorer"
+
+    @abstractmethod
+    def score(self, proposal: Proposal) -> Tensor:
+        """Proposal of S slots -> scores ``[S]`` float."""
+
+
+class Selector(Part):
+    """Chooses which slots to work on in this iteration."""
+
+    kind = "selector"
+
+    @abstractmethod
+    def select(self, scores: Tensor) -> list[int]:
+        """``scores [S]`` of the pool's slots (in position order) -> chosen indices, ascending, non-empty."""
+
+
+class Verifier(Part):
+    """Accepts drafted tokens from their causal (next-token) probabilities. Pure functions of tensors."""
+
+    kind = "verifier"
+
+    @abstractmethod
+    def verify(self, draft_probs: Tensor, ar_probs: Tensor) -> Verdict:
+        """Stage II-a over a concatenation of S slots.
+
+        ``draft_probs [S, k]``: Stage-I probabilities of the drafts; ``ar_probs [S, k]``: probability of
+        each draft token under the causal logits of its predecessor in the concatenation.
+        """
+
+    @abstractmethod
+    def extend(self, ar_probs: Tensor, verified: Tensor) -> Tensor:
+        """Stage II-b round: ``ar_probs [S, m]`` of filled tokens, ``verified [S, m]`` bool before the round
+        -> ``[S, m]`` bool verified after the round (a prefix per row; gains at least one token per row
+        that still has an unverified token)."""
+
+
+class CacheManager(Part):
+    """How the KV of slots completed in separate cache rows enters the single-row cache."""
+
+    kind = "cache"
+
+    @abstractmethod
+    def merge_rows(
+        self, backbone: "Backbone", rows: "DynamicCache", base_len: int, tokens: list[list[int]], positions: list[list[int]]
+    ) -> "DynamicCache":
+        """``rows``: S-row cache, each row = committed prefix (``base_len``) + its slot's tokens (at least
+        ``len(tokens[s])`` of them). Return a one-row cache holding the prefix followed by
+        ``tokens[0] + tokens[1] + ...`` in that order."""
+
+
+class DecoderOptions(Options):
+    """Options every decoder has."""
+
+    gen_length: int = Field(128, ge=1, le=1_000_000, description="maximum number of tokens to generate")
+    seed: int = Field(0, description="seed of the sampling generator (used when temperature > 0)")
+
+
+class Decoder(ABC):
+    """A decoding loop built from parts. Subclasses implement :meth:`_decode`."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[DecoderOptions]] = DecoderOptions
+    #: attention kinds of the backbones this decoder can drive
+    attention: ClassVar[tuple[str, ...]] = ("causal",)
+
+    def __init__(self, backbone: "Backbone", options: DecoderOptions, parts: dict[str, Part]) -> None:
+        if backbone.attention not in self.attention:
+            raise ValueError(
+                f"decoder {self.name!r} needs a model with {' or '.join(self.attention)} attention, "
+                f"but this model's attention is {backbone.attention!r}"
+            )
+        self.backbone = backbone
+        self.options = options
+        self.parts = parts
+
+    def generate(self, prompt_ids: list[int]) -> DecodeResult:
+        """Decode a completion of ``prompt_ids``; stats count only this call's forwards."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        self.backbone.check_length(len(prompt_ids), self.options.gen_length)
+        nfe0, tok0 = self.backbone.nfe, self.backbone.tokens_in
+        generator = torch.Generator(device="cpu").manual_seed(self.options.seed)
+        t0 = time.perf_counter()
+        out = self._decode(prompt_ids, generator)
+        self.backbone.synchronize()
+        wall = time.perf_counter() - t0
+        stats = DecodeStats(
+            generated_tokens=len(out.token_ids), nfe=self.backbone.nfe - nfe0,
+            tokens_in=self.backbone.tokens_in - tok0, wall_s=wall, iterations=len(out.trace),
+            tpf_reference_mean=out.tpf_reference_mean,
+        )
+        text = self.backbone.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return DecodeResult(text=text, token_ids=out.token_ids, stats=stats, trace=out.trace,
+                            buffer_ids=out.buffer_ids, buffer_pos=out.buffer_pos)
+
+    @abstractmethod
+    def _decode(self, prompt_ids: list[int], generator: torch.Generator) -> LoopOutput:
+        """Run the loop on a validated, non-empty prompt."""

@@ -1,0 +1,52 @@
+"""Built-in slot scorers: ``first_token_prob`` (ReFusion's rule) and its alternatives (paper App. C.2).
+
+A scorer maps a proposal of S slots to one confidence per slot (higher = more confident). With slot
+size 1 the same scorers give per-token confidences for token-level decoders.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from refusion.core.hookspecs import hookimpl
+from refusion.core.interfaces import Scorer
+from refusion.core.types import Proposal
+
+
+class FirstTokenProb(Scorer):
+    """Probability of the slot's first drafted token (the reference's rule)."""
+
+    def score(self, proposal: Proposal) -> Tensor:
+        return proposal.probs[:, 0]
+
+
+class MeanProb(Scorer):
+    """Mean probability of the slot's drafted tokens."""
+
+    def score(self, proposal: Proposal) -> Tensor:
+        return proposal.probs.mean(dim=-1)
+
+
+class MeanNegEntropy(Scorer):
+    """Mean negative entropy of the predictive distributions over the slot's positions."""
+
+    def score(self, proposal: Proposal) -> Tensor:
+        logp = torch.log_softmax(proposal.logits.float(), dim=-1)  # [S, k, V]
+        return (logp.exp() * logp).sum(-1).mean(-1)
+
+
+class Margin(Scorer):
+    """Mean margin between the top-1 and top-2 probabilities over the slot's positions."""
+
+    def score(self, proposal: Proposal) -> Tensor:
+        top2 = torch.softmax(proposal.logits.float(), dim=-1).topk(2, dim=-1).values  # [S, k, 2]
+        return (top2[..., 0] - top2[..., 1]).mean(-1)
+
+
+@hookimpl
+def register_scorers(register):
+    register("first_token_prob", FirstTokenProb)
+    register("mean_prob", MeanProb)
+    register("mean_neg_entropy", MeanNegEntropy)
+    register("margin", Margin)

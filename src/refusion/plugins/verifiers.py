@@ -1,0 +1,43 @@
+"""Built-in verifier ``prefix``: ReFusion's autoregressive verification at ``token_threshold``.
+
+Stage II-a: the chosen drafts are concatenated in position order and verified by one causal forward. A
+token passes when its causal probability exceeds ``token_threshold``; the first token of every slot
+keeps its Stage-I probability and always passes. The accepted prefix is the longest all-pass run from
+the start of the concatenation; only whole slots of it are accepted (``prefix_len // k``).
+
+Stage II-b: in each round a token passes when its causal probability exceeds the threshold or its
+predecessor was already verified before the round; verified = cumulative product of passes. So every
+row with unverified tokens gains at least one token per round.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from refusion.core.hookspecs import hookimpl
+from refusion.core.interfaces import Options, Verifier
+from refusion.core.types import Verdict
+
+
+class PrefixVerifier(Verifier):
+    class Options(Options):
+        token_threshold: float = Field(0.9, ge=0.0, le=1.0, description="accept tokens whose AR prob exceeds this")
+
+    def verify(self, draft_probs: Tensor, ar_probs: Tensor) -> Verdict:
+        k = draft_probs.shape[1]
+        passed = ar_probs > self.options.token_threshold  # [S, k]
+        passed[:, 0] = True  # first token of each slot keeps its Stage-I prob and is accepted
+        prefix_len = int(torch.cumprod(passed.flatten().int(), 0).sum())
+        return Verdict(passed=passed, prefix_len=prefix_len, accepted_slots=prefix_len // k)
+
+    def extend(self, ar_probs: Tensor, verified: Tensor) -> Tensor:
+        predecessor = torch.nn.functional.pad(verified, (1, 0), value=True)[:, :-1]  # [S, m]
+        passes = (ar_probs > self.options.token_threshold) | predecessor
+        return torch.cumprod(passes.int(), dim=-1).bool()
+
+
+@hookimpl
+def register_verifiers(register):
+    register("prefix", PrefixVerifier)

@@ -1,0 +1,56 @@
+import pytest
+
+from refusion.core.config import ConfigError, apply_overrides, dump_config, load_config_file, validate_config
+
+
+@pytest.mark.parametrize(
+    "cfg, field",
+    [
+        ({"decoder": "refusion", "selector": {"slot_threshold": 1.5}}, "selector.slot_threshold"),
+        ({"decoder": "refusion", "verifier": {"token_threshold": -0.1}}, "verifier.token_threshold"),
+        ({"decoder": "refusion", "drafter": {"temperature": -1}}, "drafter.temperature"),
+        ({"decoder": "refusion", "gen_length": 0}, "gen_length"),
+        ({"decoder": "refusion", "slot_size": 0}, "slot_size"),
+        ({"decoder": "refusion", "slot_sise": 4}, "slot_sise: unknown field"),
+        ({"decoder": "refusion", "selector": {"name": "threshold", "treshold": 0.5}}, "selector.treshold: unknown field"),
+        ({"decoder": "refusion", "scorer": "first_tok_prob"}, "scorer: unknown scorer 'first_tok_prob'; did you mean 'first_token_prob'"),
+        ({"decoder": "refuson"}, "decoder: unknown decoder 'refuson'; did you mean 'refusion'"),
+        ({"decoder": "refusion", "gen_length": 24, "slot_size": 4, "serial_blocks": 4}, "serial_blocks=4 must divide"),
+        ({"gen_length": 24}, "decoder: missing"),
+        ({"decoder": "ar", "scorer": "mean_prob"}, "scorer: unknown field"),
+    ],
+)
+def test_invalid_config_names_the_field(cfg, field):
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert field in str(err.value)
+
+
+def test_swapping_the_scorer_is_one_line():
+    _, _, parts = validate_config({"decoder": "refusion", "scorer": "margin"})
+    assert type(parts["scorer"]).__name__ == "Margin"
+    assert type(parts["selector"]).__name__ == "ThresholdSelector"  # defaults kept
+
+
+def test_yaml_toml_and_overrides(tmp_path):
+    (tmp_path / "c.yaml").write_text("decoder: refusion\nslot_size: 4\nselector: {name: threshold, slot_threshold: 0.7}\n")
+    (tmp_path / "c.toml").write_text('decoder = "refusion"\nslot_size = 4\n[selector]\nname = "threshold"\nslot_threshold = 0.7\n')
+    a, b = load_config_file(tmp_path / "c.yaml"), load_config_file(tmp_path / "c.toml")
+    assert a == b
+    cfg = apply_overrides(a, ["selector.slot_threshold=0.5", "cache=kv_recompute", "verifier.token_threshold=0.3", "gen_length=64"])
+    _, opts, parts = validate_config(cfg)
+    assert parts["selector"].options.slot_threshold == 0.5
+    assert parts["verifier"].options.token_threshold == 0.3
+    assert type(parts["cache"]).__name__ == "KVRecompute"
+    assert opts.gen_length == 64
+    with pytest.raises(ConfigError, match="expected key=value"):
+        apply_overrides(a, ["slot_size"])
+
+
+def test_dump_round_trip():
+    cfg = {"decoder": "refusion", "gen_length": 64, "slot_size": 4, "serial_blocks": 2, "scorer": "mean_prob",
+           "selector": {"name": "threshold", "slot_threshold": 0.6}}
+    _, opts, _ = validate_config(cfg)
+    again = dump_config("refusion", opts)
+    _, opts2, _ = validate_config(again)
+    assert opts2 == opts
