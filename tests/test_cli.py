@@ -1,0 +1,46 @@
+"""The command line: generate (text and --json), plugins, errors that name the field."""
+
+import json
+
+import pytest
+
+from refusion.cli import main
+from refusion.models.loading import save_pretrained
+
+
+@pytest.fixture
+def model_dir(tmp_path, backbone):
+    return str(save_pretrained(backbone.model, backbone.tokenizer, tmp_path / "tiny"))
+
+
+def test_generate_json(model_dir, capsys):
+    rc = main(["generate", "--model", model_dir, "--decoder", "refusion", "--prompt", "12+3=", "--json",
+               "--set", "gen_length=16", "--set", "slot_size=4", "--set", "selector.slot_threshold=0.0"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert {"generated_tokens", "nfe", "tpf", "tokens_per_second", "wall_s"} <= set(out["stats"])
+    assert out["stats"]["generated_tokens"] == len(out["token_ids"]) <= 16
+
+
+def test_generate_table_and_config_file(model_dir, tmp_path, capsys):
+    cfg = tmp_path / "ar.toml"
+    cfg.write_text('decoder = "ar"\ngen_length = 8\n')
+    assert main(["generate", "--model", model_dir, "--config", str(cfg), "--prompt", "ab"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens_per_second" in out and "nfe" in out
+
+
+def test_bad_config_names_field(model_dir, capsys):
+    rc = main(["generate", "--model", model_dir, "--decoder", "refusion", "--prompt", "x",
+               "--set", "verifier.token_threshold=2"])
+    assert rc == 2
+    assert "verifier.token_threshold" in capsys.readouterr().err
+
+
+def test_plugins_lists_kinds_and_origins(capsys):
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    kinds = {(r["kind"], r["name"]) for r in rows}
+    assert ("decoder", "refusion") in kinds and ("cache", "kv_recompute") in kinds and ("scorer", "margin") in kinds
+    assert all(r["origin"].startswith("builtin ") for r in rows)
