@@ -111,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
 
+    from refusion.experiments.bench import add_bench_command
     from refusion.training.cli import add_train_command
 
+    add_bench_command(sub)
     add_train_command(sub)
     return parser
 
