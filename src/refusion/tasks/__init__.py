@@ -1,0 +1,38 @@
+"""tinybench: the generated tasks tiny models are trained and evaluated on (arith, code, facts).
+
+``TASKS`` maps names to task instances; ``export_json`` writes a split in the reference training
+format (a JSON list of ``{"query", "response"}`` records, responses without eos).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from refusion.tasks.arith import ArithTask
+from refusion.tasks.base import SPLITS, Example, Task, split_of
+from refusion.tasks.code import CodeTask
+from refusion.tasks.facts import FactsTask
+
+TASKS: dict[str, Task] = {task.name: task for task in (ArithTask(), CodeTask(), FactsTask())}
+
+__all__ = ["SPLITS", "TASKS", "Example", "Task", "corpus", "export_json", "get_task", "split_of"]
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def export_json(path: str | os.PathLike, tasks: list[str], split: str, n: int | None = None) -> int:
+    """Write the first ``n`` examples of ``split`` of each task as ``[{"query", "response"}, ...]``."""
+    records = [{"query": e.query, "response": e.response} for name in tasks for e in get_task(name).examples(split, n)]
+    Path(path).write_text(json.dumps(records, ensure_ascii=False, indent=1), encoding="utf-8")
+    return len(records)
+
+
+def corpus(split: str = "train") -> list[Example]:
+    """Every task's examples of a split (default sizes), task by task."""
+    return [e for task in TASKS.values() for e in task.examples(split)]

@@ -1,0 +1,88 @@
+"""ReFusion variants chosen by config: left-to-right slots, fused scheduling, sub-slot remasking,
+adaptive (split) slots, alternative scorers."""
+
+import pytest
+from helpers import ban_token, force_token
+
+from refusion.core.config import build_decoder
+
+PROMPT = [10, 11, 12, 13, 14]
+
+
+def run(backbone, **cfg):
+    return build_decoder(backbone, {"decoder": "refusion", "gen_length": 32, "slot_size": 4, **cfg}).generate(PROMPT)
+
+
+def assert_sound(res, backbone, gen_length=32):
+    ids = res.token_ids
+    assert backbone.mask_id not in ids and len(ids) <= gen_length
+    eos = [i for i, t in enumerate(ids) if t in backbone.eos_ids]
+    assert not eos or eos[0] == len(ids) - 1
+    gen_pos = res.buffer_pos[len(PROMPT):]
+    assert sorted(gen_pos) == list(range(len(PROMPT), len(PROMPT) + len(gen_pos)))
+    restored = [t for _, t in sorted(zip(res.buffer_pos, res.buffer_ids))][len(PROMPT):]
+    assert restored[: len(ids)] == ids
+
+
+def test_left_to_right_chooses_the_leftmost_slot(backbone):
+    ban_token(backbone.model, backbone.eos_id)
+    res = run(backbone, selector={"name": "left_to_right"}, verifier={"token_threshold": 0.5})
+    starts = [t.chosen[0] for t in res.trace]
+    assert all(len(t.chosen) == 1 for t in res.trace)
+    assert starts == sorted(starts) and starts[0] == len(PROMPT)
+    assert_sound(res, backbone)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"selector": {"slot_threshold": 0.02}, "verifier": {"token_threshold": 0.0}},
+    {"selector": {"name": "left_to_right", "n": 2}, "verifier": {"token_threshold": 0.0}},
+    {"selector": {"slot_threshold": 0.03}, "verifier": {"token_threshold": 0.03}, "serial_blocks": 2},
+])
+def test_fused_equals_plain_and_saves_forwards(backbone, cfg):
+    plain = run(backbone, **cfg)
+    fused = run(backbone, fused=True, **cfg)
+    assert fused.token_ids == plain.token_ids
+    saved = sum(t.fused for t in fused.trace)
+    assert fused.stats.nfe == plain.stats.nfe - saved
+    if cfg["verifier"]["token_threshold"] == 0.0 and len(plain.trace) > 1:
+        assert saved > 0
+
+
+@pytest.mark.parametrize("cache", ["kv_concat", "kv_recompute"])
+def test_sub_slot_remask_sends_suffixes_back(backbone, cache):
+    ban_token(backbone.model, backbone.eos_id)
+    res = run(backbone, selector={"slot_threshold": 0.0}, verifier={"token_threshold": 1.0},
+              remasker={"name": "sub_slot", "threshold": 1.0, "min_keep": 2}, cache=cache)
+    assert any(t.remasked for t in res.trace)
+    first = res.trace[0]
+    assert all(n == 2 for _, n in first.accepted)  # every II-b slot kept exactly min_keep tokens
+    assert len(res.token_ids) == 32
+    assert_sound(res, backbone)
+
+
+def test_sub_slot_remask_with_eos(backbone):
+    ban_token(backbone.model, backbone.eos_id)  # EOS only where forced
+    force_token(backbone.model, len(PROMPT) + 9, backbone.eos_id, boost=2e4)
+    res = run(backbone, selector={"slot_threshold": 0.0}, verifier={"token_threshold": 1.0},
+              remasker={"name": "sub_slot", "threshold": 1.0})
+    assert res.token_ids[-1] == backbone.eos_id and len(res.token_ids) == 10
+    assert_sound(res, backbone)
+
+
+def test_adaptive_split_cuts_chosen_slots(backbone):
+    ban_token(backbone.model, backbone.eos_id)
+    res = run(backbone, split_threshold=1.0, min_split=2, selector={"slot_threshold": 0.0},
+              verifier={"token_threshold": 0.0})
+    assert res.trace[0].split and all(size == 2 for _, size in res.trace[0].split)
+    assert all(n == 2 for _, n in res.trace[0].accepted)
+    assert len(res.token_ids) == 32
+    assert_sound(res, backbone)
+
+
+@pytest.mark.parametrize("scorer", ["first_token_prob", "mean_prob", "mean_neg_entropy", "margin"])
+def test_scorers_with_mixed_slot_sizes(backbone, scorer):
+    ban_token(backbone.model, backbone.eos_id)
+    res = run(backbone, scorer=scorer, split_threshold=0.5, selector={"slot_threshold": 0.5},
+              verifier={"token_threshold": 0.5}, remasker={"name": "sub_slot", "threshold": 0.5})
+    assert len(res.token_ids) == 32
+    assert_sound(res, backbone)
