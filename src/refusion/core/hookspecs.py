@@ -54,5 +54,10 @@ def register_caches(register: Register) -> None:
 
 
 @hookspec
+def register_remaskers(register: Register) -> None:
+    """Register remaskers (subclasses of :class:`refusion.core.interfaces.Remasker`)."""
+
+
+@hookspec
 def register_objectives(register: Register) -> None:
     """Register training objectives (subclasses of :class:`refusion.training.objective.Objective`)."""

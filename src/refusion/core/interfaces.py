@@ -78,11 +78,12 @@ class Verifier(Part):
     kind = "verifier"
 
     @abstractmethod
-    def verify(self, draft_probs: Tensor, ar_probs: Tensor) -> Verdict:
-        """Stage II-a over a concatenation of S slots.
+    def verify(self, draft_probs: Tensor, ar_probs: Tensor, valid: Tensor | None = None) -> Verdict:
+        """Stage II-a over a concatenation of S slots (their real tokens, in slot order).
 
         ``draft_probs [S, k]``: Stage-I probabilities of the drafts; ``ar_probs [S, k]``: probability of
-        each draft token under the causal logits of its predecessor in the concatenation.
+        each draft token under the causal logits of its predecessor in the concatenation; ``valid [S, k]``
+        marks real positions when slots differ in size (padding at the end of a row; None = all real).
         """
 
     @abstractmethod
@@ -104,6 +105,18 @@ class CacheManager(Part):
         """``rows``: S-row cache, each row = committed prefix (``base_len``) + its slot's tokens (at least
         ``len(tokens[s])`` of them). Return a one-row cache holding the prefix followed by
         ``tokens[0] + tokens[1] + ...`` in that order."""
+
+
+class Remasker(Part):
+    """After slots are filled, decides how much of each to keep; the rest goes back to [MASK]."""
+
+    kind = "remasker"
+
+    @abstractmethod
+    def keep(self, confidence: Tensor, lengths: list[int]) -> list[int]:
+        """``confidence [S, k]``: the probability each filled token was accepted with (Stage-I prob for a
+        slot's first token, causal verification prob for the others); ``lengths``: real tokens per slot.
+        -> tokens to keep per slot, each in ``1 .. lengths[s]`` (a kept part is always a prefix)."""
 
 
 class DecoderOptions(Options):

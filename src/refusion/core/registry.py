@@ -29,6 +29,7 @@ KINDS: dict[str, str] = {
     "selector": "register_selectors",
     "verifier": "register_verifiers",
     "cache": "register_caches",
+    "remasker": "register_remaskers",
     "objective": "register_objectives",
 }
 
@@ -36,11 +37,15 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "refusion.plugins.scorers",
     "refusion.plugins.drafters",
     "refusion.plugins.selectors",
+    "refusion.plugins.token_selectors",
     "refusion.plugins.verifiers",
     "refusion.plugins.caches",
+    "refusion.plugins.remasking",
     "refusion.plugins.objectives",
     "refusion.decoders.refusion",
     "refusion.decoders.ar",
+    "refusion.decoders.llada",
+    "refusion.decoders.block",
 )
 
 AUTOLOAD_ENV = "REFUSION_DISABLE_PLUGIN_AUTOLOAD"

@@ -23,6 +23,12 @@ class Proposal:
     token_ids: Tensor  # [S, k] long: drafted token per position
     probs: Tensor  # [S, k] float: softmax probability (of the un-noised logits) of the drafted token
     logits: Tensor  # [S, k, V] float32: the logits the draft came from (scorers may need the distribution)
+    valid: Tensor | None = None  # [S, k] bool: real positions when slots differ in size (padding after); None = all
+
+    @property
+    def mask(self) -> Tensor:
+        """``[S, k]`` bool: True at real (non-padding) positions. Position 0 of every slot is real."""
+        return self.valid if self.valid is not None else torch.ones_like(self.token_ids, dtype=torch.bool)
 
     @property
     def num_slots(self) -> int:
@@ -34,8 +40,8 @@ class Verdict:
     """What the Stage II-a verifier accepted from a concatenation of S drafted slots."""
 
     passed: Tensor  # [S, k] bool: per-token pass mark (first token of every slot forced True)
-    prefix_len: int  # longest all-pass run from the start of the concatenation, in tokens
-    accepted_slots: int  # whole slots covered by the prefix: prefix_len // k
+    prefix_len: int  # longest all-pass run from the start of the concatenation, in (real) tokens
+    accepted_slots: int  # leading slots lying wholly inside that prefix
 
 
 @dataclass
@@ -64,6 +70,7 @@ class DecodeState:
     prompt_len: int
     pool: list[Slot] = field(default_factory=list)
     stop: bool = False  # an EOS was committed: finish this block, then stop
+    next_logits: Tensor | None = None  # [n_pool_masks, V] Stage-I logits already computed (fused scheduling)
 
     def commit(self, ids: list[int], pos: list[int]) -> None:
         assert len(ids) == len(pos)
@@ -76,7 +83,7 @@ class DecodeState:
         return [t for _, t in pairs]
 
 
-Stage = Literal["prefill", "II-a", "II-b", "ar"]
+Stage = Literal["II-a", "II-b", "ar", "mdm", "block"]
 
 
 @dataclass
@@ -90,6 +97,9 @@ class IterationTrace:
     accepted: list[tuple[int, int]]  # (slot start position, tokens committed from it)
     forwards: int  # forward calls this iteration used
     rounds: int = 0  # Stage II-b rounds (predict + verify)
+    remasked: list[tuple[int, int]] = field(default_factory=list)  # (start, size) of suffixes sent back to the pool
+    split: list[tuple[int, int]] = field(default_factory=list)  # (start, size) of tails split off chosen slots
+    fused: bool = False  # Stage I logits came from the previous iteration's verification forward
 
     @property
     def tokens(self) -> int:

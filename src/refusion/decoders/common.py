@@ -14,7 +14,7 @@ def next_token_probs(logits: Tensor, tokens: Tensor) -> Tensor:
     span and is set to 1.0 (callers force or ignore it).
     """
     probs = torch.softmax(logits[..., :-1, :].float(), dim=-1).gather(-1, tokens[..., 1:, None]).squeeze(-1)
-    return torch.cat([torch.ones_like(probs[..., :1]), probs], dim=-1)
+    return torch.cat([torch.ones(tokens[..., :1].shape, dtype=probs.dtype, device=probs.device), probs], dim=-1)
 
 
 def cut_after_eos(ids: list[int], eos_ids: set[int]) -> list[int]:

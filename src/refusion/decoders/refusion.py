@@ -1,46 +1,57 @@
 """ReFusion decoding (arXiv 2512.13586): slot-level select-and-infill with KV reuse.
 
 The generation span is cut into serial blocks, each block into slots of ``slot_size`` consecutive
-positions. Per iteration, on the pool of the block's still-masked slots:
+positions. Per iteration, on the pool of the block's still-masked slots (in position order):
 
-    Stage I   one forward of all pool [MASK]s at their ORIGINAL positions after the committed buffer
-              (KV dropped again); drafter -> Proposal; scorer -> one score per slot; selector -> the
-              slots to work on (threshold with top-1 fallback)
+    Stage I    one forward of all pool [MASK]s at their ORIGINAL positions after the committed buffer
+               (their KV dropped again) -> drafter -> Proposal [n_pool, k]; scorer -> one score per
+               slot; selector -> the chosen slots (threshold with top-1 fallback)
     Stage II-a one causal forward of the chosen drafts concatenated in position order; verifier ->
-              longest passing prefix; EOS inside it -> accept up to the EOS and stop after this block;
-              else accept its whole slots (their KV from this forward is exact) and return the rest
-    Stage II-b if no whole slot passed: complete ALL chosen slots in parallel, one cache row each:
-              rounds of predict ([MASK] at unverified tokens, argmax) + verify (causal forward,
-              verifier.extend); then the cache manager merges the rows' KV (kv_concat / kv_recompute)
+               longest passing prefix. EOS inside it: accept up to the EOS, drop the pool from the EOS
+               slot on, stop after this block. Else accept the prefix's whole slots (their KV from this
+               forward is exact); the other chosen slots go back to the pool
+    Stage II-b if no whole slot passed: complete ALL chosen slots in parallel, one cache row each, in
+               rounds of predict ([MASK] at unverified tokens, argmax) + verify (causal forward,
+               verifier.extend); the cache manager merges the rows' KV (kv_concat / kv_recompute)
 
-Committed slots are appended to the buffer (ahead of the remaining masks) with their original position
-ids; the output is the committed tokens sorted by position. Deliberate differences from the reference
-code are listed in docs/refusion.md.
+Committed slots are appended to the buffer, ahead of the remaining masks, with their original position
+ids; the output is the committed tokens sorted by position. Variants, each off by default and chosen
+by config: a ``remasker`` (``sub_slot``: keep a completed slot's confident prefix, remask the rest),
+adaptive slots (``split_threshold``: cut a chosen slot before its first low-confidence draft) and
+``fused`` scheduling (the next Stage I rides on the II-a forward). Slots may therefore differ in size;
+proposals are padded to the largest with a ``valid`` mask. Differences from the reference code:
+docs/refusion.md.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from pydantic import Field, model_validator
+from torch import Tensor
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.interfaces import Decoder, DecoderOptions
-from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Slot
+from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
 from refusion.decoders.common import cut_after_eos, next_token_probs
 
 
 class RefusionOptions(DecoderOptions):
     slot_size: int = Field(8, ge=1, le=4096, description="tokens per slot (k)")
     serial_blocks: int = Field(1, ge=1, description="serial blocks decoded left to right")
+    split_threshold: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="adaptive slots: cut a chosen slot before its first draft token with Stage-I prob below this")
+    min_split: int = Field(2, ge=1, description="adaptive slots: a cut keeps at least this many tokens")
+    fused: bool = Field(False, description="put the unchosen masks in the II-a forward and reuse their logits")
     scorer: PartSpec = PartSpec(name="first_token_prob")
     drafter: PartSpec = PartSpec(name="gumbel")
     selector: PartSpec = PartSpec(name="threshold")
     verifier: PartSpec = PartSpec(name="prefix")
     cache: PartSpec = PartSpec(name="kv_concat")
+    remasker: PartSpec = PartSpec(name="none")
 
     @property
     def padded_length(self) -> int:
@@ -60,6 +71,18 @@ class RefusionOptions(DecoderOptions):
         return self
 
 
+def pad_slots(values: Tensor, slots: list[Slot], fill: float | int = 0) -> tuple[Tensor, Tensor]:
+    """Rows of a flat per-position tensor ``[N, ...]`` grouped by slot -> ``[S, k_max, ...]`` and ``valid [S, k_max]``."""
+    k_max = max(s.size for s in slots)
+    offsets = torch.tensor([0] + [s.size for s in slots]).cumsum(0)[:-1]  # [S]
+    j = torch.arange(k_max)
+    valid = j[None, :] < torch.tensor([s.size for s in slots])[:, None]  # [S, k_max]
+    idx = torch.where(valid, offsets[:, None] + j[None, :], 0)
+    out = values[idx]
+    out[~valid] = fill
+    return out, valid
+
+
 class RefusionDecoder(Decoder):
     name = "refusion"
     Options = RefusionOptions
@@ -76,6 +99,7 @@ class RefusionDecoder(Decoder):
         trace: list[IterationTrace] = []
         for b in range(o.serial_blocks):
             st.pool = [Slot(P + b * block_len + i, k) for i in range(0, block_len, k)]
+            st.next_logits = None
             while st.pool:
                 nfe0 = bb.nfe
                 cache, it = self._iteration(st, cache, b, generator)
@@ -87,56 +111,105 @@ class RefusionDecoder(Decoder):
         ratios = [it.tokens / it.forwards for it in trace if it.forwards]
         return LoopOutput(ids, trace, st.ids, st.pos, sum(ratios) / len(ratios) if ratios else 0.0)
 
-    # ------------------------------------------------------------------ one iteration
-    def _iteration(self, st: DecodeState, cache, block: int, generator) -> tuple[Any, IterationTrace]:
-        bb, k = self.backbone, self.options.slot_size
-        drafter, scorer, selector = self.parts["drafter"], self.parts["scorer"], self.parts["selector"]
+    # ------------------------------------------------------------------ Stage I
+    def _stage_one(self, st: DecodeState, cache, generator) -> tuple[object, Proposal, bool]:
+        """Draft every pool slot: -> (cache, proposal [n_pool, k_max], whether the logits were reused)."""
+        bb = self.backbone
         base = len(st.ids)
-
-        # Stage I: all pool masks at their original positions; their KV is dropped again.
-        mask_pos = torch.tensor([p for s in st.pool for p in s.positions])  # [n_pool * k]
-        masks = torch.full_like(mask_pos, bb.mask_id)
-        if cache is None:  # first call: the prompt's prefill rides along
-            cache = bb.new_cache()
-            logits = bb.forward(torch.tensor(st.ids + masks.tolist()), torch.tensor(st.pos + mask_pos.tolist()), cache)
-            bb.crop(cache, base)
-            logits = logits[0, base:]
+        fused = st.next_logits is not None
+        if fused:
+            logits, st.next_logits = st.next_logits, None
         else:
-            logits = bb.forward(masks, mask_pos, cache, keep_kv=False)[0]
-        proposal = drafter.draft(logits.view(len(st.pool), k, -1), generator)  # [n_pool, k]
-        scores = scorer.score(proposal)  # [n_pool]
-        chosen_idx = selector.select(scores)
+            mask_pos = [p for s in st.pool for p in s.positions]  # [N]
+            masks = [bb.mask_id] * len(mask_pos)
+            if cache is None:  # first call: the prompt's prefill rides along
+                cache = bb.new_cache()
+                logits = bb.forward(torch.tensor(st.ids + masks), torch.tensor(st.pos + mask_pos), cache)[0, base:]
+                bb.crop(cache, base)
+            else:
+                logits = bb.forward(torch.tensor(masks), torch.tensor(mask_pos), cache, keep_kv=False)[0]
+        padded, valid = pad_slots(logits, st.pool)  # [n_pool, k_max, V]
+        proposal = self.parts["drafter"].draft(padded, generator)
+        proposal.valid = valid
+        return cache, proposal, fused
+
+    def _split(self, st: DecodeState, chosen: list[Slot], probs: Tensor, trace: IterationTrace) -> list[Slot]:
+        """Adaptive slots: cut each chosen slot before its first draft below ``split_threshold``."""
+        o = self.options
+        out = []
+        for slot, row in zip(chosen, probs):
+            low = (row[: slot.size] < o.split_threshold).nonzero().flatten().tolist()
+            cut = next((j for j in low if j >= o.min_split), slot.size)
+            if cut < slot.size:
+                head, tail = Slot(slot.start, cut), Slot(slot.start + cut, slot.size - cut)
+                i = st.pool.index(slot)
+                st.pool[i : i + 1] = [head, tail]
+                trace.split.append((tail.start, tail.size))
+                slot = head
+            out.append(slot)
+        return out
+
+    # ------------------------------------------------------------------ one iteration
+    def _iteration(self, st: DecodeState, cache, block: int, generator) -> tuple[object, IterationTrace]:
+        bb, o = self.backbone, self.options
+        base = len(st.ids)
+        cache, proposal, fused = self._stage_one(st, cache, generator)
+        scores = self.parts["scorer"].score(proposal)  # [n_pool]
+        chosen_idx = self.parts["selector"].select(scores)
         chosen = [st.pool[i] for i in chosen_idx]
-        drafts = proposal.token_ids[chosen_idx]  # [S, k]
         trace = IterationTrace(
             block=block, stage="II-a", scored=[(s.start, float(x)) for s, x in zip(st.pool, scores)],
-            chosen=[s.start for s in chosen], accepted=[], forwards=0,
+            chosen=[s.start for s in chosen], accepted=[], forwards=0, fused=fused,
         )
-
-        # Stage II-a: global causal verification of the concatenated drafts.
+        draft_probs = proposal.probs[chosen_idx]  # [S, k_max]
+        if o.split_threshold is not None:
+            chosen = self._split(st, chosen, draft_probs, trace)
         S = len(chosen)
-        flat_pos = torch.tensor([p for s in chosen for p in s.positions])  # [S * k]
-        vlogits = bb.forward(drafts.flatten(), flat_pos, cache)[0]  # KV kept: exact for an accepted prefix
-        ar_probs = next_token_probs(vlogits, drafts.flatten()).view(S, k)
-        verdict = self.parts["verifier"].verify(proposal.probs[chosen_idx], ar_probs)
-        prefix = drafts.flatten()[: verdict.prefix_len].tolist()
+        drafts = proposal.token_ids[chosen_idx]  # [S, k_max]
+        valid = torch.arange(drafts.shape[1])[None, :] < torch.tensor([s.size for s in chosen])[:, None]
+        flat_ids = drafts[valid]  # [n] real draft tokens, slot after slot
+        flat_pos = torch.tensor([p for s in chosen for p in s.positions])  # [n]
+
+        # Stage II-a: global causal verification of the concatenated drafts (+ unchosen masks if fused).
+        rest = [s for s in st.pool if s not in chosen]
+        ids, pos = flat_ids, flat_pos
+        if o.fused and rest:
+            rest_pos = torch.tensor([p for s in rest for p in s.positions])
+            ids, pos = torch.cat([ids, torch.full_like(rest_pos, bb.mask_id)]), torch.cat([pos, rest_pos])
+        vlogits = bb.forward(ids, pos, cache)[0]  # KV kept: exact for an accepted prefix
+        ar_flat = next_token_probs(vlogits[: len(flat_ids)], flat_ids)
+        ar_probs = torch.ones_like(draft_probs)
+        ar_probs[valid] = ar_flat
+        verdict = self.parts["verifier"].verify(draft_probs, ar_probs, valid)
+        prefix = flat_ids[: verdict.prefix_len].tolist()
         eos_at = next((i for i, t in enumerate(prefix) if t in bb.eos_ids), None)
         if eos_at is not None or verdict.accepted_slots > 0:
-            n_tok = eos_at + 1 if eos_at is not None else verdict.accepted_slots * k
+            n_tok = eos_at + 1 if eos_at is not None else sum(s.size for s in chosen[: verdict.accepted_slots])
             bb.crop(cache, base + n_tok)
             st.commit(prefix[:n_tok], flat_pos[:n_tok].tolist())
-            done = chosen[: math.ceil(n_tok / k)]
-            trace.accepted = [(s.start, min(k, n_tok - i * k)) for i, s in enumerate(done)]
+            ends = torch.tensor([s.size for s in chosen]).cumsum(0).tolist()
+            done = chosen[: next(i for i, e in enumerate(ends) if e >= n_tok) + 1]
+            trace.accepted = [(s.start, min(s.size, n_tok - (e - s.size))) for s, e in zip(done, ends)]
             self._retire(st, done, eos_slot=done[-1] if eos_at is not None else None)
+            if o.fused and rest and eos_at is None and len(done) == S:
+                st.next_logits = vlogits[len(flat_ids):]  # same prefix, same masks: next Stage I's logits
             return cache, trace
         bb.crop(cache, base)
+        return self._stage_two_b(st, cache, trace, chosen, drafts, valid, verdict.passed, draft_probs, ar_probs)
 
-        # Stage II-b: parallel iterative completion of every chosen slot, one cache row each.
+    # ------------------------------------------------------------------ Stage II-b
+    def _stage_two_b(self, st, cache, trace, chosen, drafts, valid, passed, draft_probs, ar_probs):
+        """Complete every chosen slot in its own cache row; merge the rows' KV; commit."""
+        bb = self.backbone
+        base, S, k = len(st.ids), len(chosen), drafts.shape[1]
         trace.stage = "II-b"
         bb.repeat_rows(cache, S)
         spec = drafts.clone()  # [S, k]
-        pos = flat_pos.view(S, k)
-        tags = torch.cumprod(verdict.passed.int(), dim=-1).bool()  # [S, k] verified marks
+        pos = torch.tensor([s.start for s in chosen])[:, None] + torch.arange(k)[None, :]  # padding runs on
+        tags = torch.cumprod(passed.int(), dim=-1).bool() | ~valid  # [S, k] verified (padding counts as done)
+        conf = torch.where(tags, ar_probs, 0.0)  # acceptance probability of each verified token
+        conf[:, 0] = draft_probs[:, 0]
+        eos = torch.tensor(sorted(bb.eos_ids))
         a = 0  # tokens of every row whose KV is kept (a common verified prefix, minus one while incomplete)
         eos_row = None
         while not tags.all():
@@ -146,25 +219,45 @@ class RefusionDecoder(Decoder):
             fill = bb.forward(masked, pos[:, a:], cache, keep_kv=False).argmax(-1)  # predict [S, k-a]
             spec[:, a:] = torch.where(cur, spec[:, a:], fill)
             vlog = bb.forward(spec[:, a:], pos[:, a:], cache)  # verify; KV kept, cropped below
-            tags[:, a:] = self.parts["verifier"].extend(next_token_probs(vlog, spec[:, a:]), cur)
-            eos_hit = torch.isin(spec[:, a:], torch.tensor(sorted(bb.eos_ids))) & tags[:, a:]
+            probs = next_token_probs(vlog, spec[:, a:])
+            new = self.parts["verifier"].extend(probs, cur) | ~valid[:, a:]
+            conf[:, a:] = torch.where(new & ~cur, probs, conf[:, a:])
+            tags[:, a:] = new
+            eos_hit = torch.isin(spec[:, a:], eos) & new & valid[:, a:]
             if eos_hit.any():  # a verified EOS: drop the chosen slots after it; its row counts as done
                 eos_row = int(eos_hit.any(dim=1).nonzero()[0])
-                spec, pos, tags, chosen = spec[: eos_row + 1], pos[: eos_row + 1], tags[: eos_row + 1], chosen[: eos_row + 1]
+                keep = slice(0, eos_row + 1)
+                spec, pos, tags, valid, conf, chosen = spec[keep], pos[keep], tags[keep], valid[keep], conf[keep], chosen[keep]
                 tags[eos_row] = True
                 bb.select(cache, list(range(eos_row + 1)))
-            gain = int(tags[:, a:].sum(dim=1).min())
+            gain = int(torch.cumprod(tags[:, a:].int(), dim=-1).sum(dim=1).min())
             a = a + gain if tags.all() else a + gain - 1
             bb.crop(cache, base + a)
 
-        tokens = cut_after_eos(spec.flatten().tolist(), bb.eos_ids)
-        rows = [tokens[i * k : (i + 1) * k] for i in range(len(chosen))]
-        rows_pos = [pos[i, : len(r)].tolist() for i, r in enumerate(rows)]
+        tokens = cut_after_eos(spec[valid].tolist(), bb.eos_ids)
+        lengths, n = [], len(tokens)
+        for s in chosen:
+            lengths.append(max(0, min(s.size, n)))
+            n -= s.size
+        lengths = [m for m in lengths if m > 0]
+        chosen = chosen[: len(lengths)]
+        keep = self.parts["remasker"].keep(conf, lengths)
+        if eos_row is not None:
+            keep[-1] = lengths[-1]  # the EOS slot is kept whole: it ends the text
+        rows = [spec[i, :m].tolist() for i, m in enumerate(keep)]
+        rows_pos = [pos[i, :m].tolist() for i, m in enumerate(keep)]
+        if len(rows) < bb.cache_rows(cache):
+            bb.select(cache, list(range(len(rows))))
         cache = self.parts["cache"].merge_rows(bb, cache, base, rows, rows_pos)
         for r, p in zip(rows, rows_pos):
             st.commit(r, p)
         trace.accepted = [(s.start, len(r)) for s, r in zip(chosen, rows)]
         self._retire(st, chosen, eos_slot=chosen[-1] if eos_row is not None else None)
+        for s, m in zip(chosen, keep):  # remasked suffixes go back to the pool as shorter slots
+            if m < s.size and (eos_row is None or s.start < chosen[-1].start):
+                st.pool.append(Slot(s.start + m, s.size - m))
+                trace.remasked.append((s.start + m, s.size - m))
+        st.pool.sort(key=lambda s: s.start)
         return cache, trace
 
     @staticmethod

@@ -99,18 +99,27 @@ class Backbone:
         return DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def forward(self, ids: Tensor, pos: Tensor, cache: DynamicCache | None, keep_kv: bool = True) -> Tensor:
+    def forward(
+        self, ids: Tensor, pos: Tensor, cache: DynamicCache | None, keep_kv: bool = True, attn_mask: Tensor | None = None
+    ) -> Tensor:
         """Logits ``[B, T, V]`` (float32) of ``ids [B, T]`` at positions ``pos [B, T]`` after ``cache``.
 
         With ``keep_kv`` the new tokens' KV stays in ``cache`` (appended after its current length);
-        without, the cache is cropped back to its length before the call.
+        without, the cache is cropped back to its length before the call. ``attn_mask``: a 4D float additive
+        mask ``[B, 1, T, cached + T]`` (0 = attend, finfo(model dtype).min = blocked) used instead of the
+        causal default, for bidirectional / block-causal models.
         """
         if ids.dim() == 1:
             ids, pos = ids[None], pos[None]
         ids = ids.to(self.device)
         pos = pos.to(self.device)
         past = self.cache_len(cache) if cache is not None else 0
-        mask = torch.ones(ids.shape[0], past + ids.shape[1], dtype=torch.long, device=self.device)
+        if attn_mask is not None:
+            if attn_mask.dim() != 4 or tuple(attn_mask.shape[-2:]) != (ids.shape[1], past + ids.shape[1]):
+                raise ValueError(f"attn_mask must be [B, 1, {ids.shape[1]}, {past + ids.shape[1]}], got {tuple(attn_mask.shape)}")
+            mask = attn_mask.to(self.device)
+        else:
+            mask = torch.ones(ids.shape[0], past + ids.shape[1], dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None
         )

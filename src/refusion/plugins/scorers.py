@@ -21,11 +21,17 @@ class FirstTokenProb(Scorer):
         return proposal.probs[:, 0]
 
 
+def slot_mean(values: Tensor, proposal: Proposal) -> Tensor:
+    """Mean of ``values [S, k]`` over each slot's real positions -> ``[S]``."""
+    mask = proposal.mask.to(values.dtype)
+    return (values * mask).sum(-1) / mask.sum(-1)
+
+
 class MeanProb(Scorer):
     """Mean probability of the slot's drafted tokens."""
 
     def score(self, proposal: Proposal) -> Tensor:
-        return proposal.probs.mean(dim=-1)
+        return slot_mean(proposal.probs, proposal)
 
 
 class MeanNegEntropy(Scorer):
@@ -33,7 +39,7 @@ class MeanNegEntropy(Scorer):
 
     def score(self, proposal: Proposal) -> Tensor:
         logp = torch.log_softmax(proposal.logits.float(), dim=-1)  # [S, k, V]
-        return (logp.exp() * logp).sum(-1).mean(-1)
+        return slot_mean((logp.exp() * logp).sum(-1), proposal)
 
 
 class Margin(Scorer):
@@ -41,7 +47,7 @@ class Margin(Scorer):
 
     def score(self, proposal: Proposal) -> Tensor:
         top2 = torch.softmax(proposal.logits.float(), dim=-1).topk(2, dim=-1).values  # [S, k, 2]
-        return (top2[..., 0] - top2[..., 1]).mean(-1)
+        return slot_mean(top2[..., 0] - top2[..., 1], proposal)
 
 
 @hookimpl

@@ -2,6 +2,8 @@
 
 ``threshold`` (ReFusion Stage I): every slot whose score exceeds ``slot_threshold``; if none does, the
 single best-scoring slot (top-1 fallback), so every iteration makes progress.
+``left_to_right`` (the paper's "ReFusion left-to-right" ablation): the ``n`` leftmost pool slots,
+whatever their scores.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ class ThresholdSelector(Selector):
         return chosen if chosen else [int(scores.argmax())]
 
 
+class LeftToRightSelector(Selector):
+    class Options(Options):
+        n: int = Field(1, ge=1, description="number of leftmost slots to choose")
+
+    def select(self, scores: Tensor) -> list[int]:
+        return list(range(min(self.options.n, len(scores))))
+
+
 @hookimpl
 def register_selectors(register):
     register("threshold", ThresholdSelector)
+    register("left_to_right", LeftToRightSelector)

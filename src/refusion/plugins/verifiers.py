@@ -25,12 +25,13 @@ class PrefixVerifier(Verifier):
     class Options(Options):
         token_threshold: float = Field(0.9, ge=0.0, le=1.0, description="accept tokens whose AR prob exceeds this")
 
-    def verify(self, draft_probs: Tensor, ar_probs: Tensor) -> Verdict:
-        k = draft_probs.shape[1]
-        passed = ar_probs > self.options.token_threshold  # [S, k]
+    def verify(self, draft_probs: Tensor, ar_probs: Tensor, valid: Tensor | None = None) -> Verdict:
+        valid = torch.ones_like(ar_probs, dtype=torch.bool) if valid is None else valid
+        passed = (ar_probs > self.options.token_threshold) | ~valid  # [S, k]; padding never blocks the run
         passed[:, 0] = True  # first token of each slot keeps its Stage-I prob and is accepted
-        prefix_len = int(torch.cumprod(passed.flatten().int(), 0).sum())
-        return Verdict(passed=passed, prefix_len=prefix_len, accepted_slots=prefix_len // k)
+        run = torch.cumprod(passed.flatten().int(), 0).view_as(passed).bool()  # [S, k] inside the prefix
+        accepted = int(torch.cumprod(run.all(dim=1).int(), 0).sum())
+        return Verdict(passed=passed & valid, prefix_len=int((run & valid).sum()), accepted_slots=accepted)
 
     def extend(self, ar_probs: Tensor, verified: Tensor) -> Tensor:
         predecessor = torch.nn.functional.pad(verified, (1, 0), value=True)[:, :-1]  # [S, m]

@@ -1,0 +1,165 @@
+"""LLaDA-style masked-diffusion decoding (arXiv 2502.09992) with Fast-dLLM v1's caches and parallel rules.
+
+For a bidirectional model. The generation span (``gen_length`` [MASK]s after the prompt) is cut into
+semi-autoregressive blocks of ``block_length``; each block gets ``steps / num_blocks`` scheduled steps::
+
+    x = prompt + [MASK] * gen_length
+    for each block [s, e):
+        budget = num_transfer_tokens(e - s, steps_per_block)   # LLaDA: even split, remainder to early steps
+        i = 0
+        while block has [MASK]:                                # one forward per step
+            logits = forward(...)                              # see kv_cache below; no logits shift
+            pool = masked positions of the block (position order)
+            draft  = drafter(logits[pool])                     # argmax / float64 Gumbel-max, k = 1 slots
+            scores = scorer(draft)  (low_confidence)  |  uniform random (random)
+            commit pool[selector(scores, budget[i])]           # topk_per_step / confidence_threshold / factor
+            i += 1
+            stop if a committed EOS has no [MASK] before it    # early_stop: the output cannot change any more
+
+``kv_cache`` (Fast-dLLM v1; the cache is rebuilt by a full forward at each block start and, with
+``refresh_every = n``, at every n-th step of the block; that refresh step also decodes):
+
+* ``none``   every step forwards the whole sequence (LLaDA);
+* ``prefix`` KV of ``x[:s]`` from the refresh forward; other steps forward ``x[s:]`` (block + every later
+  [MASK]) on top of it;
+* ``dual``   KV of ``x[:s]`` and ``x[e:]`` from the refresh forward; other steps forward only the block.
+
+Every forward attends everywhere (4D all-zero additive mask). The output is cut after the first EOS.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor
+from transformers import DynamicCache
+
+from refusion.core.config import PartSpec
+from refusion.core.hookspecs import hookimpl
+from refusion.core.interfaces import Decoder, DecoderOptions, Selector
+from refusion.core.types import IterationTrace, LoopOutput
+from refusion.decoders.common import cut_after_eos
+from refusion.plugins.token_selectors import TokenSelector
+
+
+class LladaOptions(DecoderOptions):
+    steps: int | None = Field(None, ge=1, description="total diffusion steps (None = gen_length: one token per step)")
+    block_length: int | None = Field(None, ge=1, description="semi-autoregressive block length (None = gen_length)")
+    remasking: Literal["low_confidence", "random"] = Field("low_confidence", description="confidence = scorer | random")
+    kv_cache: Literal["none", "prefix", "dual"] = Field("none", description="Fast-dLLM v1 cache mode")
+    refresh_every: int = Field(0, ge=0, description="also rebuild the cache every n steps (0 = block start only)")
+    early_stop: bool = Field(True, description="stop once a committed EOS has no [MASK] before it")
+    drafter: PartSpec = PartSpec(name="gumbel")
+    scorer: PartSpec = PartSpec(name="first_token_prob")
+    selector: PartSpec = PartSpec(name="topk_per_step")
+
+    @property
+    def n_steps(self) -> int:
+        return self.steps or self.gen_length
+
+    @property
+    def block(self) -> int:
+        return self.block_length or self.gen_length
+
+    @model_validator(mode="after")
+    def _schedule_divides(self) -> "LladaOptions":
+        G, L, T = self.gen_length, self.block, self.n_steps
+        if G % L:
+            allowed = [d for d in range(1, G + 1) if G % d == 0]
+            raise ValueError(f"block_length={L} must divide gen_length={G}; allowed: {allowed}")
+        nb = G // L
+        if T % nb or T // nb > L:
+            ok = [nb * j for j in range(1, L + 1)]
+            raise ValueError(
+                f"steps={T} must be a multiple of the number of blocks ({nb}) with at most block_length={L} steps "
+                f"per block; allowed: {ok if len(ok) <= 12 else ok[:6] + ['...'] + ok[-3:]}"
+            )
+        return self
+
+
+def num_transfer_tokens(n_masked: int, steps: int) -> list[int]:
+    """LLaDA's ``get_num_transfer_tokens``: ``n_masked`` split over ``steps``, remainder to the early steps."""
+    base, rem = divmod(n_masked, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def choose(selector: Selector, scores: Tensor, budget: int | None, at_least_one: bool = True) -> list[int]:
+    """Indices of ``scores`` to commit: token selectors get the budget; any other selector just the scores."""
+    if isinstance(selector, TokenSelector):
+        return selector.select(scores, budget=budget, at_least_one=at_least_one)
+    return selector.select(scores)
+
+
+def drop_span(cache: DynamicCache, start: int, end: int) -> None:
+    """In place: remove the KV of buffer entries ``start .. end-1`` (keys keep their RoPE positions)."""
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=-2)
+        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
+
+
+def full_mask(q: int, kv: int, dtype: torch.dtype) -> Tensor:
+    """``[1, 1, q, kv]`` additive mask letting every query attend to every key."""
+    return torch.zeros(1, 1, q, kv, dtype=dtype)
+
+
+class LladaDecoder(Decoder):
+    name = "llada"
+    Options = LladaOptions
+    attention = ("bidirectional",)
+
+    def _decode(self, prompt_ids, generator):
+        o: LladaOptions = self.options
+        bb = self.backbone
+        drafter, scorer, selector = self.parts["drafter"], self.parts["scorer"], self.parts["selector"]
+        P, L, dt = len(prompt_ids), o.block, bb.model.dtype
+        x = torch.tensor(list(prompt_ids) + [bb.mask_id] * o.gen_length)  # [N]
+        N, pos = len(x), torch.arange(len(x))
+        eos = torch.tensor(sorted(bb.eos_ids))
+        steps_per_block = o.n_steps // (o.gen_length // L)
+        trace: list[IterationTrace] = []
+        cache: DynamicCache | None = None
+        done = False
+        for b in range(o.gen_length // L):
+            s, e = P + b * L, P + (b + 1) * L
+            budget = num_transfer_tokens(L, steps_per_block)
+            i = 0
+            while not done and bool((x[s:e] == bb.mask_id).any()):
+                refresh = i == 0 or (o.refresh_every > 0 and i % o.refresh_every == 0)
+                if o.kv_cache == "none" or refresh:  # full forward; a refresh keeps the prefix (+ suffix) KV
+                    cache = bb.new_cache() if o.kv_cache != "none" else None
+                    logits, off = bb.forward(x, pos, cache, attn_mask=full_mask(N, N, dt))[0], 0
+                    if o.kv_cache == "prefix":
+                        bb.crop(cache, s)
+                    elif o.kv_cache == "dual":
+                        drop_span(cache, s, e)
+                else:  # prefix: block + later masks after x[:s]; dual: only the block between x[:s] and x[e:]
+                    end = N if o.kv_cache == "prefix" else e
+                    mask = full_mask(end - s, N, dt)  # the cache holds the other N - (end - s) tokens
+                    logits, off = bb.forward(x[s:end], pos[s:end], cache, keep_kv=False, attn_mask=mask)[0], s
+                pool = (x[s:e] == bb.mask_id).nonzero().flatten() + s  # [n] absolute positions
+                proposal = drafter.draft(logits[pool - off][:, None], generator)  # [n, 1]
+                if o.remasking == "random":
+                    scores = torch.rand(len(pool), generator=generator, dtype=torch.float64)
+                else:
+                    scores = scorer.score(proposal)  # [n]
+                idx = choose(selector, scores, budget[i] if i < len(budget) else None)
+                x[pool[idx]] = proposal.token_ids[idx, 0].cpu()
+                trace.append(IterationTrace(
+                    block=b, stage="mdm", scored=[(int(p), float(c)) for p, c in zip(pool, scores)],
+                    chosen=pool[idx].tolist(), accepted=[(int(p), 1) for p in pool[idx]], forwards=1,
+                ))
+                i += 1
+                gen = x[P:]
+                hits = torch.isin(gen, eos).nonzero().flatten()
+                done = o.early_stop and len(hits) > 0 and not bool((gen[: int(hits[0])] == bb.mask_id).any())
+            if done:
+                break
+        out = cut_after_eos(x[P:].tolist(), bb.eos_ids)  # early stop leaves [MASK] only after the EOS
+        return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))))
+
+
+@hookimpl
+def register_decoders(register):
+    register("llada", LladaDecoder)
