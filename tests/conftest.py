@@ -9,12 +9,20 @@ os.environ["REFUSION_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # before any registry is b
 import pytest
 import torch
 from helpers import make_char_tokenizer, make_tiny_qwen3
+from hypothesis import HealthCheck, settings
 from transformers import PreTrainedTokenizerFast
 
 from refusion.core.registry import set_registry
 from refusion.models.backend import Backbone
 
 torch.set_num_threads(2)
+
+# Hypothesis profiles: `ci` (fast, derandomized; the default) and `thorough` (>= 1000 examples per
+# property): HYPOTHESIS_PROFILE=thorough python -m pytest -m property  (see docs/reliability.md)
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+settings.register_profile("thorough", max_examples=1000, derandomize=False, print_blob=True, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
