@@ -1,4 +1,4 @@
-"""The ``refusion`` command line: generate, plugins, train (and more as they land)."""
+"""The ``refusion`` command line: generate, plugins, bench, ablate, train."""
 
 from __future__ import annotations
 
@@ -111,10 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
 
+    from refusion.experiments.ablate import add_ablate_command
     from refusion.experiments.bench import add_bench_command
     from refusion.training.cli import add_train_command
 
     add_bench_command(sub)
+    add_ablate_command(sub)
     add_train_command(sub)
     return parser
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import yaml
 
-from refusion.experiments.bench import BenchArgs, run_bench, summarize
+from refusion.experiments.bench import run_bench
+from refusion.experiments.runner import Run, summarize
 from refusion.models.loading import save_pretrained
 from refusion.tasks import get_task
 
@@ -23,8 +24,8 @@ def bench_config(tmp_path, backbone):
 
 def test_bench_rows_and_resume(tmp_path, bench_config, monkeypatch):
     monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 6)
-    args = BenchArgs(tasks=["facts"], decoders=["ar", "refusion"], limit=3, out=tmp_path / "out", config=str(bench_config))
-    rows = run_bench(args)
+    args = dict(tasks=["facts"], decoders=["ar", "refusion"], limit=3, out=tmp_path / "out", config=str(bench_config))
+    rows = run_bench(**args)
     assert [(r["task"], r["decoder"], r["n"]) for r in rows] == [("facts", "ar", 3), ("facts", "refusion", 3)]
     for key in ("task", "decoder", "model", "n", "accuracy", "tokens_per_second", "tpf", "nfe_mean", "latency_s_mean"):
         assert key in rows[0]
@@ -41,23 +42,24 @@ def test_bench_rows_and_resume(tmp_path, bench_config, monkeypatch):
     orig = interfaces.Decoder.generate
     monkeypatch.setattr(interfaces.Decoder, "generate", lambda self, p: calls.append(1) or orig(self, p))
     with pytest.warns(UserWarning, match="torn"):
-        rows2 = run_bench(BenchArgs(**{**args.__dict__, "resume": True}))
+        rows2 = run_bench(**args, resume=True)
     assert len(calls) == 2 + 2  # two warm-ups + the two lost samples
     assert [r["n"] for r in rows2] == [3, 3]
 
 
 def test_existing_run_needs_resume(tmp_path, bench_config, monkeypatch):
     monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 4)
-    args = BenchArgs(tasks=["facts"], decoders=["ar"], limit=1, out=tmp_path / "o", config=str(bench_config))
-    run_bench(args)
+    args = dict(tasks=["facts"], decoders=["ar"], limit=1, out=tmp_path / "o", config=str(bench_config))
+    run_bench(**args)
     with pytest.raises(ValueError, match="--resume"):
-        run_bench(args)
+        run_bench(**args)
 
 
 def test_summarize_speedup():
-    recs = [{"task": "t", "decoder": d, "model": "m", "correct": c, "generated_tokens": 10, "nfe": n, "wall_s": w}
+    recs = [{"run": d, "task": "t", "correct": c, "generated_tokens": 10, "nfe": n, "wall_s": w}
             for d, c, n, w in [("ar", True, 10, 1.0), ("ar", False, 10, 1.0), ("refusion", True, 4, 0.5), ("refusion", True, 4, 0.5)]]
-    rows = {r["decoder"]: r for r in summarize(recs)}
+    runs = [Run("ar", "m", {"t": {"decoder": "ar"}}), Run("refusion", "m", {"t": {"decoder": "refusion"}})]
+    rows = {r["run"]: r for r in summarize(recs, runs, baseline="ar")}
     assert rows["ar"]["accuracy"] == 0.5 and rows["refusion"]["accuracy"] == 1.0
-    assert rows["refusion"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert rows["refusion"]["speedup"] == pytest.approx(2.0)
     assert rows["refusion"]["tpf"] == pytest.approx(2.5)

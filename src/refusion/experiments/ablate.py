@@ -1,0 +1,191 @@
+"""``refusion ablate CONFIG.yaml``: a grid of decoders, parts and knobs x tasks x models.
+
+An ablation file names runs explicitly and/or as a grid (the cartesian product of its axes); each run
+starts from the bench's per-task settings for its decoder (``configs/bench.yaml``) and applies its own
+``set`` overrides (dotted keys, as ``--set``)::
+
+    name: kv_cache
+    title: KV reuse vs recompute (paper Table 8)
+    tasks: [arith, code, facts]
+    limit: 50
+    baseline: kv_concat                    # speed-ups are over this run, per task
+    runs:
+      - {label: kv_concat, decoder: refusion, set: {cache: kv_concat}}
+      - {label: kv_recompute, decoder: refusion, set: {cache: kv_recompute}}
+    grid:                                  # optional
+      decoder: refusion
+      axes: {selector.slot_threshold: [0.5, 0.7, 0.9]}
+    plots:
+      - {x: tpf, y: accuracy}              # one point per run, per task
+      - {x: selector.slot_threshold, y: accuracy}   # a line per task along a swept knob
+
+The evaluation engine is the bench's (``runner.py``): every finished sample is appended to
+``OUT/samples.jsonl`` at once and ``--resume`` skips finished work. Writes ``results.json``,
+``summary.md`` and each plot as PNG and SVG.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from refusion.core.config import ConfigError
+from refusion.experiments.bench import load_bench_config
+from refusion.experiments.runner import Run, evaluate, markdown_table, print_table, summarize, write_json
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSpec(Strict):
+    label: str
+    decoder: str
+    model: str | None = Field(None, description="model folder or shipped name (default: the bench's for the decoder)")
+    set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of the decoder config")
+
+
+class GridSpec(Strict):
+    decoder: str
+    model: str | None = None
+    set: dict[str, Any] = Field(default_factory=dict, description="overrides shared by every grid point")
+    axes: dict[str, list[Any]] = Field(description="dotted key -> values; the runs are their cartesian product")
+
+
+class PlotSpec(Strict):
+    x: str
+    y: str = "accuracy"
+    title: str | None = None
+
+
+class AblationConfig(Strict):
+    name: str
+    title: str = ""
+    tasks: list[str] = ["arith", "code", "facts"]
+    split: str = "test"
+    limit: int | None = 50
+    baseline: str | None = None
+    runs: list[RunSpec] = []
+    grid: GridSpec | None = None
+    plots: list[PlotSpec] = []
+    bench_config: str | None = None
+
+    @model_validator(mode="after")
+    def _has_runs(self) -> "AblationConfig":
+        if not self.runs and self.grid is None:
+            raise ValueError("give `runs` or a `grid` (or both)")
+        return self
+
+
+def load_ablation(path: str | Path) -> AblationConfig:
+    p = Path(path)
+    if not p.is_file() and (CONFIGS_DIR / p.name).is_file():
+        p = CONFIGS_DIR / p.name  # a shipped config by file name
+    if not p.is_file():
+        shipped = ", ".join(sorted(f.name for f in CONFIGS_DIR.glob("*.yaml") if f.name != "bench.yaml"))
+        raise ConfigError(f"ablation config {str(path)!r} not found (shipped: {shipped})")
+    try:
+        return AblationConfig.model_validate(yaml.safe_load(p.read_text()))
+    except ValidationError as e:
+        raise ConfigError(f"ablation config {p}: " + "; ".join(
+            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def build_runs(cfg: AblationConfig) -> list[Run]:
+    from refusion.tasks import get_task
+
+    bench = load_bench_config(cfg.bench_config)
+    specs: list[tuple[str, str, str | None, dict[str, Any], dict[str, Any]]] = [
+        (r.label, r.decoder, r.model, r.set, {}) for r in cfg.runs]
+    if cfg.grid:
+        keys = list(cfg.grid.axes)
+        for values in itertools.product(*cfg.grid.axes.values()):
+            params = dict(zip(keys, values))
+            label = " ".join(f"{k.split('.')[-1]}={_fmt(v)}" for k, v in params.items())
+            specs.append((label, cfg.grid.decoder, cfg.grid.model, {**cfg.grid.set, **params}, params))
+    runs = []
+    for label, decoder, model, sets, params in specs:
+        model = model or bench.models.get(decoder)
+        if model is None:
+            raise ConfigError(f"run {label!r}: no model given and none configured for decoder {decoder!r} in the bench")
+        overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                     for k, v in sets.items()]
+        configs = {t: bench.decoder_config(t, decoder, get_task(t).max_new_tokens, overrides) for t in cfg.tasks}
+        runs.append(Run(label=label, model=model, configs=configs, params=params))
+    return runs
+
+
+def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    swept = spec.x in rows[0] and spec.x not in ("tpf", "tokens_per_second", "nfe_mean", "accuracy", "latency_s_mean")
+    scale = (lambda v: 100 * v) if spec.y == "accuracy" else (lambda v: v)
+    for ax, task in zip(axes[0], tasks):
+        pts = [r for r in rows if r["task"] == task and r.get(spec.x) is not None]
+        if swept:
+            pts.sort(key=lambda r: r[spec.x])
+            ax.plot([r[spec.x] for r in pts], [scale(r[spec.y]) for r in pts], marker="o")
+        else:
+            for r in pts:
+                ax.scatter(r[spec.x], scale(r[spec.y]), s=50)
+                ax.annotate(r["run"], (r[spec.x], scale(r[spec.y])), textcoords="offset points", xytext=(5, -3), fontsize=7)
+        ax.set(title=task, xlabel=spec.x, ylabel=spec.y + (" %" if spec.y == "accuracy" else ""))
+        ax.grid(alpha=0.3)
+    fig.suptitle(spec.title or f"{spec.y} vs {spec.x}")
+    fig.tight_layout()
+    paths = [out / f"{stem}.png", out / f"{stem}.svg"]
+    for p in paths:
+        fig.savefig(p, dpi=130)
+    plt.close(fig)
+    return paths
+
+
+def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,
+                 device: str = "cpu") -> list[dict[str, Any]]:
+    cfg = load_ablation(config)
+    runs = build_runs(cfg)
+    limit = limit or cfg.limit
+    records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, device=device, desc=cfg.name)
+    rows = summarize(records, runs, baseline=cfg.baseline)
+    write_json(out / "results.json", rows)
+    extra = list(cfg.grid.axes) if cfg.grid else []
+    figures = [plot(rows, spec, out, f"{cfg.name}_{i}")[0].name for i, spec in enumerate(cfg.plots)]
+    summary = [f"# {cfg.title or cfg.name}\n", f"{cfg.split} split, {limit or 'all'} samples per task; "
+               f"speed-up over `{cfg.baseline}`.\n" if cfg.baseline else f"{cfg.split} split, {limit or 'all'} samples per task.\n",
+               markdown_table(rows, extra)] + [f"\n![{f}]({f})\n" for f in figures]
+    (out / "summary.md").write_text("\n".join(summary))
+    return rows
+
+
+def add_ablate_command(sub) -> None:
+    p = sub.add_parser("ablate", help="run an ablation grid (decoders, parts, knobs x tasks x models)")
+    p.add_argument("config", help="ablation YAML, or the file name of a shipped one (experiments/configs/)")
+    p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
+    p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
+    p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_ablate)
+
+
+def cmd_ablate(a) -> int:
+    cfg = load_ablation(a.config)
+    out = Path(a.out or f"runs/ablate/{cfg.name}")
+    rows = run_ablation(a.config, out, a.resume, a.limit, a.device)
+    print_table(rows, title=cfg.title or cfg.name, extra=list(cfg.grid.axes) if cfg.grid else [])
+    print(f"wrote {out / 'results.json'}, {out / 'summary.md'} and plots in {out}")
+    return 0

@@ -1,0 +1,59 @@
+"""`refusion ablate`: grid expansion, per-run configs on top of the bench's, resumable output, plots."""
+
+import json
+
+import pytest
+import yaml
+
+from refusion.core.config import ConfigError
+from refusion.experiments.ablate import build_runs, load_ablation, run_ablation
+from refusion.models.loading import save_pretrained
+from refusion.tasks import get_task
+
+
+@pytest.fixture
+def setup(tmp_path, backbone, monkeypatch):
+    monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 6)
+    model = str(save_pretrained(backbone.model, backbone.tokenizer, tmp_path / "m"))
+    bench = tmp_path / "bench.yaml"
+    bench.write_text(yaml.safe_dump({"models": {"refusion": model, "ar": model},
+                                     "decoders": {"refusion": {"slot_size": 2}}}))
+    abl = {"name": "t", "tasks": ["facts"], "limit": 2, "baseline": "ar", "bench_config": str(bench),
+           "runs": [{"label": "ar", "decoder": "ar"}],
+           "grid": {"decoder": "refusion", "set": {"cache": "kv_recompute"},
+                    "axes": {"selector.slot_threshold": [0.0, 1.0], "verifier.token_threshold": [0.5]}},
+           "plots": [{"x": "selector.slot_threshold"}, {"x": "tpf"}]}
+    path = tmp_path / "abl.yaml"
+    path.write_text(yaml.safe_dump(abl))
+    return path
+
+
+def test_grid_expands_on_top_of_bench_settings(setup):
+    runs = build_runs(load_ablation(setup))
+    assert [r.label for r in runs] == ["ar", "slot_threshold=0 token_threshold=0.5", "slot_threshold=1 token_threshold=0.5"]
+    cfg = runs[2].configs["facts"]
+    assert cfg["slot_size"] == 2 and cfg["cache"] == "kv_recompute"  # bench setting kept, grid `set` applied
+    assert cfg["selector"] == {"slot_threshold": 1.0}  # the decoder's default part keeps its name
+    assert runs[1].params == {"selector.slot_threshold": 0.0, "verifier.token_threshold": 0.5}
+
+
+def test_run_writes_results_summary_plots_and_resumes(setup, tmp_path):
+    out = tmp_path / "out"
+    rows = run_ablation(setup, out)
+    assert len(rows) == 3 and all(r["n"] == 2 for r in rows)
+    assert {r["run"]: r["speedup"] for r in rows}["ar"] == pytest.approx(1.0)
+    assert json.loads((out / "results.json").read_text()) == rows
+    assert "| facts |" in (out / "summary.md").read_text()
+    assert (out / "t_0.png").exists() and (out / "t_1.svg").exists()
+    with pytest.raises(ConfigError, match="--resume"):
+        run_ablation(setup, out)
+    assert len(run_ablation(setup, out, resume=True)) == 3  # nothing left to do
+
+
+def test_bad_ablation_config_names_the_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nruns: [{label: a, decoder: refusion, sett: {}}]\n")
+    with pytest.raises(ConfigError, match=r"runs.0.sett"):
+        load_ablation(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_ablation(tmp_path / "nope.yaml")
