@@ -81,11 +81,7 @@ def save_pretrained(
     """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files), weights in ``dtype``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    orig = next(model.parameters()).dtype
-    model.to(dtype)
-    try:
-        model.save_pretrained(out, safe_serialization=True)
-    finally:
-        model.to(orig)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    model.save_pretrained(out, state_dict=state, safe_serialization=True)  # the in-memory model is untouched
     tokenizer.save_pretrained(out)
     return out

@@ -1,0 +1,120 @@
+"""Fresh tiny Qwen3 models built from a tokenizer (size presets), with the project's config keys.
+
+Presets (parameter counts with a vocabulary of ~1k tokens, embeddings tied):
+
+=========  ======  ======  =====  ========  ========  =====  ===========
+name       hidden  layers  heads  kv heads  head dim  ffn    ~params
+=========  ======  ======  =====  ========  ========  =====  ===========
+micro      64      2       2      1         32        128    0.2M (tests)
+tiny       256     4       4      2         64        768    3.3M
+small      384     6       6      2         64        1536   13M
+=========  ======  ======  =====  ========  ========  =====  ===========
+
+Config keys the rest of the project reads (all stored in ``config.json``):
+
+- ``mask_token_id``: the tokenizer's ``<|mask|>`` id (also ``pad_token_id``, ``bos_token_id``,
+  ``eos_token_id`` from the tokenizer);
+- ``refusion_attention``: ``"causal"`` | ``"bidirectional"`` | ``"block_causal"``: the attention the
+  model was trained with (the trainer overwrites it with the objective's kind);
+- ``refusion_block_size``: block length of ``block_causal`` models (absent/None otherwise);
+- ``refusion_objective``: name of the last training objective (set by the trainer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
+
+#: Architecture presets (vocabulary and special-token ids come from the tokenizer).
+SIZES: dict[str, dict[str, int]] = {
+    "micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, intermediate_size=128),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=768),
+    "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                  head_dim=64, intermediate_size=1536),
+}
+
+DEFAULT_MAX_POSITIONS = 512
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, attr: str, literal: str) -> int | None:
+    value = getattr(tokenizer, f"{attr}_id", None)
+    if value is None:
+        tid = tokenizer.convert_tokens_to_ids(literal)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        value = tid if isinstance(tid, int) and tid != unk else None
+    return None if value is None else int(value)
+
+
+def set_attention(config: Any, attention: str, block_size: int | None = None) -> None:
+    """Record the attention kind (and block size for block-causal models) in a model config."""
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention kind {attention!r}; allowed: {', '.join(ATTENTION_KINDS)}")
+    if attention == "block_causal":
+        if not block_size or block_size < 1:
+            raise ValueError("block_causal attention needs a positive block_size")
+        config.refusion_block_size = int(block_size)
+    else:
+        config.refusion_block_size = None
+    config.refusion_attention = attention
+
+
+def make_config(
+    tokenizer: PreTrainedTokenizerBase,
+    size: str = "tiny",
+    attention: str = "causal",
+    block_size: int | None = None,
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+    **overrides: Any,
+) -> Qwen3Config:
+    """A Qwen3 config for ``size`` whose vocabulary and special ids match ``tokenizer``."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; allowed: {', '.join(SIZES)}")
+    arch = dict(SIZES[size])
+    arch.update(overrides)
+    mask_id = _token_id(tokenizer, "mask_token", "<|mask|>")
+    if mask_id is None:
+        raise ValueError("the tokenizer has no mask token (<|mask|>); diffusion objectives need one")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        attention_dropout=0.0,
+        use_cache=True,
+        pad_token_id=_token_id(tokenizer, "pad_token", "<|pad|>"),
+        bos_token_id=_token_id(tokenizer, "bos_token", "<|beginoftext|>"),
+        eos_token_id=_token_id(tokenizer, "eos_token", "<|endoftext|>"),
+        **arch,
+    )
+    config.mask_token_id = mask_id
+    config.refusion_size = size
+    set_attention(config, attention, block_size)
+    return config
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerBase,
+    size: str = "tiny",
+    attention: str = "causal",
+    block_size: int | None = None,
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+    seed: int | None = 0,
+    **overrides: Any,
+) -> Qwen3ForCausalLM:
+    """A freshly initialised fp32 Qwen3ForCausalLM of preset ``size`` (seeded when ``seed`` is given)."""
+    config = make_config(tokenizer, size, attention, block_size, max_position_embeddings, **overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    return model.float()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())

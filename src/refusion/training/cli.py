@@ -1,0 +1,156 @@
+"""``refusion train``: train one objective, or run the controlled recipe.
+
+::
+
+    refusion train --objective refusion --data tinybench --init runs/recipe/tiny-base --out runs/ft \\
+        --steps 500 --batch-size 32 --lr 1e-3 --set slot_sizes=[4,8] --resume
+    refusion train --objective ar --data my.json --init scratch --size tiny --out runs/mine
+    refusion train --recipe tiny --out runs/recipe [--pretrain-steps P] [--finetune-steps F]
+
+``--init`` takes a model folder or a shipped checkpoint name; ``scratch`` builds a fresh model of
+``--size`` with the tinybench tokenizer (``--data tinybench``) or a tokenizer trained on the JSON file.
+``--set key=value`` sets an option of the objective (values parsed as YAML: ``slot_sizes=[4,8]``,
+``block_size=16``, ``eps=0.01``); unknown keys are an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def add_train_command(subparsers: Any) -> None:
+    """Add the ``train`` subcommand (``func=run_train``) to an argparse subparsers object."""
+    p = subparsers.add_parser("train", help="train a model with one objective, or run the controlled recipe",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--objective", help="ar | refusion | mdm | block (or a plugin's objective)")
+    p.add_argument("--data", default="tinybench", help="'tinybench' or a JSON file of {query, response}")
+    p.add_argument("--init", default="scratch", help="model folder, shipped checkpoint name, or 'scratch'")
+    p.add_argument("--out", required=True, help="output folder (log, resumable state, final model)")
+    p.add_argument("--recipe", choices=["tiny"], help="run the controlled pretrain + fine-tune recipe")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per batch (default 32)")
+    p.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (padded tokens)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of steps)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--size", default="tiny", help="model size for --init scratch (micro, tiny, small)")
+    p.add_argument("--max-length", type=int, default=512, help="drop examples longer than this (tokens)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="objective option")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--pretrain-steps", type=int, default=None, help="recipe: AR pretraining steps (P)")
+    p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
+    p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_train, _parser=p)
+
+
+def _error(args: argparse.Namespace, msg: str) -> None:
+    parser = getattr(args, "_parser", None)
+    if parser is not None:
+        parser.error(msg)  # exits with status 2
+    raise SystemExit(f"refusion train: error: {msg}")
+
+
+def scratch_tokenizer(data: str) -> Any:
+    """The tinybench tokenizer, or one trained on a JSON file's queries and responses."""
+    from refusion.models import tokenizer as tk
+
+    if data == "tinybench":
+        return tk.build_tinybench_tokenizer()
+    from refusion.training.data import tokenizer_training_texts
+
+    return tk.train_tokenizer(tokenizer_training_texts(data))
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if args.recipe:
+        from refusion.training.recipe import run_recipe
+
+        objectives = tuple(o.strip() for o in args.objectives.split(",")) if args.objectives else None
+        kw: dict[str, Any] = {}
+        if objectives:
+            kw["objectives"] = objectives
+        if args.batch_size:
+            kw["batch_size"] = args.batch_size
+        run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
+                   threads=args.threads, progress=not args.no_progress, seed=args.seed, **kw)
+        return 0
+    if not args.objective:
+        _error(args, "--objective is required (or use --recipe tiny)")
+
+    import torch
+
+    from refusion.core.registry import PluginError, get_registry
+    from refusion.models.build import build_model
+    from refusion.models.loading import load_pretrained
+    from refusion.training.data import load_pairs
+    from refusion.training.trainer import TrainConfig, Trainer
+
+    try:
+        cls = get_registry().get("objective", args.objective)
+    except PluginError as exc:
+        _error(args, str(exc))
+    try:
+        options = cls.Options(**parse_sets(args.set))
+    except Exception as exc:  # pydantic ValidationError or a bad --set
+        _error(args, f"bad objective options for {args.objective!r}: {exc}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.init == "scratch":
+        tokenizer = scratch_tokenizer(args.data)
+        objective = cls.from_tokenizer(tokenizer, options)
+        model = build_model(tokenizer, args.size, seed=args.seed,
+                            max_position_embeddings=max(512, args.max_length))
+    else:
+        model, tokenizer = load_pretrained(args.init)
+        objective = cls.from_tokenizer(tokenizer, options)
+    max_len = min(args.max_length, int(getattr(model.config, "max_position_embeddings", args.max_length)))
+    train_pairs = load_pairs(args.data, tokenizer, "train", max_length=max_len, limit=args.limit)
+    val_pairs = load_pairs(args.data, tokenizer, "validation", max_length=max_len)
+    config = TrainConfig(
+        steps=args.steps or 200, batch_size=args.batch_size or 32, max_tokens=args.max_tokens,
+        lr=args.lr or 1e-3, warmup_steps=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        seed=args.seed, log_every=args.log_every, save_every=args.save_every, eval_every=args.eval_every,
+        threads=args.threads, progress=not args.no_progress,
+    )
+    trainer = Trainer(model, tokenizer, objective, train_pairs, config, args.out, val_pairs=val_pairs)
+    summary = trainer.train(resume=args.resume)
+    print(json.dumps({k: summary[k] for k in ("objective", "steps", "train", "eval", "wall_s")}, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m refusion.training.cli train ...``)."""
+    parser = argparse.ArgumentParser(prog="refusion")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_command(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

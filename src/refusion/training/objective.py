@@ -1,0 +1,138 @@
+"""The training-objective interface: :class:`Objective` and the padded :class:`Batch` it builds.
+
+An objective turns ``(prompt_ids, response_ids)`` pairs (response already ending in EOS) into a
+:class:`Batch` and computes a scalar loss from a model and that batch. Convention shared by every
+objective of this project: ``labels[b, j]`` is the target of the logits AT position ``j`` (labels are
+already shifted where the objective wants next-token prediction), so the loss is computed from the
+logits directly and ``labels=`` is never passed to the Hugging Face model (which would shift again).
+
+Objectives are registered through the plugin hook ``register_objectives`` (see
+:mod:`refusion.plugins.objectives`) and looked up with ``get_registry().get("objective", name)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+IGNORE = -100
+
+Pair = tuple[list[int], list[int]]
+
+
+@dataclass
+class Batch:
+    """A padded training batch.
+
+    - ``input_ids``, ``position_ids``, ``labels``: ``[B, L]`` long; ``labels == -100`` is ignored.
+    - ``attention_mask``: ``[B, L]`` (1 = real token; causal attention) or ``[B, 1, L, L]`` float additive
+      (0 = attend, ``finfo.min`` = blocked) for bidirectional / block-causal attention.
+    - ``masked``: ``[B, L]`` bool, True where the input is ``[MASK]`` and the label is the original token
+      at that same position (diffusion targets).
+    - ``weights``: ``[B, L]`` float, per-token loss weight of the diffusion targets
+      (``1 / (p_mask * answer_length)``), 0 elsewhere.
+    - ``n_examples``: number of examples (the divisor of the diffusion loss).
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    labels: Tensor
+    masked: Tensor
+    weights: Tensor
+    n_examples: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if isinstance(v, Tensor) else v
+        return Batch(**kw)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of non-padding input tokens."""
+        if self.attention_mask.dim() == 2:
+            return int(self.attention_mask.sum())
+        return int(self.meta.get("n_tokens", self.input_ids.numel()))
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+class Objective(ABC):
+    """A training objective: batch layout + loss. Subclasses set ``name``, ``attention``, ``Options``."""
+
+    name: ClassVar[str] = ""
+    #: attention the model is trained with: "causal" | "bidirectional" | "block_causal"
+    attention: ClassVar[str] = "causal"
+    #: whether the objective trains [MASK] predictions (reports ``masked_acc``)
+    diffusion: ClassVar[bool] = False
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, mask_id: int, pad_id: int, eos_id: int, options: "Objective.Options | dict | None" = None,
+                 **kwargs: Any) -> None:
+        self.mask_id = int(mask_id)
+        self.pad_id = int(pad_id)
+        self.eos_id = int(eos_id)
+        if options is None:
+            options = {}
+        if isinstance(options, dict):
+            options = self.Options(**{**options, **kwargs})
+        elif kwargs:
+            options = self.Options(**{**options.model_dump(), **kwargs})
+        self.options = options
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, options: "Objective.Options | dict | None" = None, **kw: Any) -> "Objective":
+        """Build with the tokenizer's mask / pad / eos ids."""
+        mask_id = tokenizer.mask_token_id
+        if mask_id is None:
+            mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return cls(mask_id=mask_id, pad_id=pad_id, eos_id=tokenizer.eos_token_id, options=options, **kw)
+
+    def configure_model(self, config: Any) -> None:
+        """Record in a model config which attention (and block size) this objective trains."""
+        from refusion.models.build import set_attention
+
+        set_attention(config, self.attention, getattr(self.options, "block_size", None))
+        config.refusion_objective = self.name
+
+    @abstractmethod
+    def make_batch(self, pairs: list[Pair], generator: torch.Generator) -> Batch:
+        """Build a padded batch from ``(prompt_ids, response_ids)`` pairs using only ``generator``."""
+
+    @abstractmethod
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        """Scalar loss and float metrics (diffusion objectives include ``masked_acc``)."""
+
+    # -- helpers shared by the objectives ---------------------------------------------------
+    @staticmethod
+    def forward_logits(model: torch.nn.Module, batch: Batch) -> Tensor:
+        """fp32 logits ``[B, L, V]``; always passes position ids and a mask, never a cache."""
+        out = model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            use_cache=False,
+        )
+        return out.logits.float()
+
+    @staticmethod
+    def token_ce(logits: Tensor, labels: Tensor) -> Tensor:
+        """Per-token cross entropy ``[B, L]`` (0 where the label is ignored)."""
+        b, l, v = logits.shape
+        ce = F.cross_entropy(logits.reshape(b * l, v), labels.reshape(b * l), ignore_index=IGNORE, reduction="none")
+        return ce.reshape(b, l)
+

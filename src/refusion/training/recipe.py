@@ -1,0 +1,211 @@
+"""The controlled recipe behind the shipped ``tiny-*`` checkpoints.
+
+Stages (each writes its result and is skipped when the recipe is run again; an interrupted training
+stage resumes from its ``trainer_state.pt``):
+
+1. ``tokenizer``: the tinybench BPE (:func:`refusion.models.tokenizer.build_tinybench_tokenizer`),
+   saved to ``OUT/tokenizer``;
+2. ``pretrain``: a fresh ``tiny`` Qwen3 (3.4M parameters with the 1024-token vocabulary) trained from
+   scratch with ``ar`` on tinybench train for P steps -> ``OUT/tiny-base``;
+3. ``finetune-<obj>`` for ``refusion``, ``ar``, ``mdm``, ``block``: each starts from the SAME
+   ``tiny-base`` checkpoint and trains F steps on the same data, batch size and learning-rate schedule
+   -> ``OUT/tiny-<obj>``;
+4. ``OUT/recipe_summary.json``: per stage wall time, steps, batch size, lr, params, final train
+   metrics and validation metrics (``masked_acc`` for diffusion objectives), rewritten after every stage.
+
+Training logs and resumable states live in ``OUT/work/<stage>/``; the ``tiny-*`` folders are plain
+Hugging Face folders (bf16 safetensors + tokenizer) ready to copy into ``src/refusion/checkpoints/``.
+To redo a stage, delete ``OUT/work/<stage>`` and its output folder.
+
+How P and F were chosen (defaults below). Budget: about 75-90 minutes on this machine's 2 cores.
+Measured on tinybench train (47,200 pairs; mean prompt 51 + response 73 tokens incl. EOS = 124
+tokens, longest 221) with batch 32 and length-grouped batches (pools of 64 batches sorted by
+length: padding drops to a few %): on a quiet machine ``ar``, ``refusion`` and ``mdm`` train at
+~4.0-4.1k tokens/s (forward + backward + AdamW, fp32, 2 threads; the notes say 3.7k), i.e. ~4.0k
+tokens and ~1.1 s per step at the planning figure of 3.7k tokens/s; ``block`` steps also carry the
+clean copy of the response (mean 196 tokens per example, ~6.3k per step) and take ~1.7 s. Evaluation
+(128 validation examples, 5 times per stage) and state saving (every 100 steps) add ~1%.
+So ``total ≈ 1.1 P + (3 x 1.1 + 1.7) F`` seconds plus ~1.5 min for the tokenizer and tokenising.
+P = 1800 (~33 min, 1.2 epochs; the notes report that a 3.2M model learns multi-step arithmetic CoT
+to >90% in ~9 min of next-token training, and the hybrid objective learns slowly from scratch, so
+pretraining gets the larger share) and F = 600 (~11 min for each of refusion / ar / mdm, ~17 min for
+block; 19,200 examples = 0.4 epoch each) give ~84 min. CPU contention from other processes on the
+2 cores stretches this (measured 2-6x slower steps while test suites ran alongside). Override with
+``--pretrain-steps`` / ``--finetune-steps`` (or the ``run_recipe`` arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+DEFAULT_PRETRAIN_STEPS = 1800
+DEFAULT_FINETUNE_STEPS = 600
+DEFAULT_BATCH_SIZE = 32
+PRETRAIN_LR = 2e-3
+FINETUNE_LR = 1e-3
+GROUP_BY_LENGTH = 64
+OBJECTIVES = ("refusion", "ar", "mdm", "block")
+SUMMARY_FILE = "recipe_summary.json"
+STAGE_FILE = "stage.json"
+
+
+def _stage_done(work: Path) -> dict | None:
+    f = work / STAGE_FILE
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_recipe(
+    out: str | os.PathLike,
+    pretrain_steps: int | None = None,
+    finetune_steps: int | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    size: str = "tiny",
+    objectives: Sequence[str] = OBJECTIVES,
+    pretrain_lr: float = PRETRAIN_LR,
+    finetune_lr: float = FINETUNE_LR,
+    threads: int | None = 2,
+    seed: int = 0,
+    progress: bool = True,
+    group_by_length: int = GROUP_BY_LENGTH,
+    train_limit: int | None = None,
+) -> dict[str, Any]:
+    """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``."""
+    from transformers import AutoTokenizer
+
+    from refusion.models.build import build_model
+    from refusion.models.loading import load_pretrained
+    from refusion.models.tokenizer import build_tinybench_tokenizer
+    from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
+    from refusion.training.data import load_pairs
+    from refusion.training.trainer import TrainConfig, Trainer
+
+    P = pretrain_steps if pretrain_steps is not None else DEFAULT_PRETRAIN_STEPS
+    F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
+    out = Path(out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    if threads:
+        torch.set_num_threads(threads)
+    summary: dict[str, Any] = {
+        "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "batch_size": batch_size,
+        "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "group_by_length": group_by_length,
+        "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "stages": {},
+    }
+    t_all = time.perf_counter()
+
+    def save_summary() -> None:
+        stages = summary["stages"]
+        summary["total_wall_s"] = round(sum(s.get("wall_s", 0.0) for s in stages.values()), 1)
+        _write_json(out / SUMMARY_FILE, summary)
+
+    def log(msg: str) -> None:
+        print(f"[recipe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # 1. tokenizer ---------------------------------------------------------------------------
+    tok_dir = out / "tokenizer"
+    done = _stage_done(work / "tokenizer")
+    if done and (tok_dir / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+        log("tokenizer: done before, loaded")
+    else:
+        t = time.perf_counter()
+        tokenizer = build_tinybench_tokenizer()
+        tokenizer.save_pretrained(tok_dir)
+        done = {"stage": "tokenizer", "wall_s": round(time.perf_counter() - t, 2), "vocab_size": len(tokenizer)}
+        (work / "tokenizer").mkdir(exist_ok=True)
+        _write_json(work / "tokenizer" / STAGE_FILE, done)
+        log(f"tokenizer: built ({len(tokenizer)} tokens, {done['wall_s']} s)")
+    summary["stages"]["tokenizer"] = done
+    save_summary()
+
+    t = time.perf_counter()
+    train_pairs = load_pairs("tinybench", tokenizer, "train", limit=train_limit)
+    val_pairs = load_pairs("tinybench", tokenizer, "validation")
+    summary["data"] = {"train_pairs": len(train_pairs), "validation_pairs": len(val_pairs),
+                       "tokenize_s": round(time.perf_counter() - t, 2)}
+    log(f"data: {len(train_pairs)} train / {len(val_pairs)} validation pairs")
+
+    def config(steps: int, lr: float) -> TrainConfig:
+        return TrainConfig(
+            steps=steps, batch_size=batch_size, lr=lr, seed=seed, log_every=max(1, min(20, steps // 10)),
+            save_every=max(1, min(100, steps // 4)), eval_every=max(1, steps // 5), eval_batch_size=128,
+            threads=threads, progress=progress, group_by_length=group_by_length,
+        )
+
+    def train_stage(stage: str, model: Any, tok: Any, objective: Any, steps: int, lr: float, final: Path) -> dict:
+        trainer = Trainer(model, tok, objective, train_pairs, config(steps, lr), work / stage,
+                          val_pairs=val_pairs, final_dir=final)
+        result = trainer.train(resume=True)
+        result.update(stage=stage, output=str(final))
+        _write_json(work / stage / STAGE_FILE, result)
+        return result
+
+    # 2. pretraining --------------------------------------------------------------------------
+    base = out / f"{size}-base"
+    done = _stage_done(work / "pretrain")
+    if done is None:
+        log(f"pretrain: ar from scratch, {P} steps")
+        model = build_model(tokenizer, size, seed=seed)
+        done = train_stage("pretrain", model, tokenizer, OBJ_CLASSES["ar"].from_tokenizer(tokenizer), P,
+                           pretrain_lr, base)
+        log(f"pretrain: finished in {done['wall_s']} s, eval {done['eval']}")
+    else:
+        log("pretrain: done before, skipped")
+    summary["stages"]["pretrain"] = done
+    save_summary()
+
+    # 3. fine-tuning --------------------------------------------------------------------------
+    for name in objectives:
+        stage = f"finetune-{name}"
+        done = _stage_done(work / stage)
+        if done is None:
+            log(f"{stage}: from {base.name}, {F} steps")
+            model, tok = load_pretrained(base)
+            done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), F, finetune_lr,
+                               out / f"{size}-{name}")
+            log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
+        else:
+            log(f"{stage}: done before, skipped")
+        summary["stages"][stage] = done
+        save_summary()
+    summary["this_run_wall_s"] = round(time.perf_counter() - t_all, 1)
+    save_summary()
+    log(f"all stages done; summary in {out / SUMMARY_FILE}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m refusion.training.recipe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--pretrain-steps", type=int, default=None)
+    p.add_argument("--finetune-steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    p.add_argument("--objectives", default=",".join(OBJECTIVES))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size,
+               objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
+               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""The trainer: AdamW + warmup/cosine schedule, grad clipping, fp32, exact resume.
+
+Files written to ``out_dir``:
+
+- ``train_log.jsonl``: one JSON object per line; ``{"kind": "train", "step", "lr", "loss", ...}`` every
+  ``log_every`` steps (metrics averaged over the interval, plus tokens/s and elapsed seconds) and
+  ``{"kind": "eval", "step", "loss", "masked_acc" | "acc", ...}`` every ``eval_every`` steps and at the
+  end, computed on a fixed validation batch (same examples and same noise every time);
+- ``trainer_state.pt`` + ``trainer_weights.safetensors`` (fp32): the resumable state (step, optimizer,
+  scheduler, data order and position, generator and global RNG states, config), written every
+  ``save_every`` steps and at the end; ``train(resume=True)`` continues exactly where it stopped
+  (same batches, same noise, same weights up to float round-off);
+- the final model as a Hugging Face folder (bf16 safetensors + tokenizer) in ``final_dir``
+  (default: ``out_dir``), its config carrying ``refusion_attention`` / ``refusion_block_size`` /
+  ``refusion_objective`` / ``mask_token_id``.
+
+Randomness: batches are drawn from epoch permutations of a ``data`` generator, objective noise from a
+separate ``noise`` generator, both seeded from ``seed`` and saved in the state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_model, save_model
+from tqdm.auto import tqdm
+
+from refusion.models.loading import save_pretrained
+from refusion.training.objective import Batch, Objective, Pair
+
+STATE_FILE = "trainer_state.pt"
+WEIGHTS_FILE = "trainer_weights.safetensors"
+LOG_FILE = "train_log.jsonl"
+
+
+class TrainConfig(BaseModel):
+    """Optimisation and bookkeeping settings of one training run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(16, ge=1)
+    #: token budget per batch (padded input tokens); when set, batches hold as many examples as fit
+    #: (at least one, at most ``batch_size``)
+    max_tokens: int | None = None
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    #: length grouping: draw this many batches' worth of examples, sort them by length, cut them into
+    #: batches and shuffle the batches (less padding; 0 = plain random batches)
+    group_by_length: int = 0
+    #: linear warmup steps (default: 5% of ``steps``, at least 1)
+    warmup_steps: int | None = None
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    save_every: int = 0  # 0: only at the end
+    eval_every: int = 0  # 0: only at the end (when validation pairs are given)
+    eval_batch_size: int = 64
+    threads: int | None = 2
+    progress: bool = True
+
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+
+
+def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    warm, total, floor = config.warmup(), config.steps, config.min_lr_ratio
+
+    def f(step: int) -> float:
+        if warm > 0 and step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class _Sampler:
+    """Epoch permutations of the training pairs; batches by count or token budget, optionally
+    grouped by length (a pool of ``group`` batches is sorted by length, cut, and the batches shuffled)."""
+
+    def __init__(self, n: int, generator: torch.Generator, group: int = 0) -> None:
+        self.n = n
+        self.gen = generator
+        self.group = group
+        self.perm: list[int] = []
+        self.pos = 0
+        self.epoch = 0
+        self.queue: list[list[int]] = []
+
+    def _next_index(self) -> int:
+        if self.pos >= len(self.perm):
+            self.perm = torch.randperm(self.n, generator=self.gen).tolist()
+            self.pos = 0
+            self.epoch += 1
+        i = self.perm[self.pos]
+        self.pos += 1
+        return i
+
+    def _peek(self) -> int:
+        if self.pos >= len(self.perm):
+            return -1
+        return self.perm[self.pos]
+
+    @staticmethod
+    def _cut(idx: list[int], batch_size: int, max_tokens: int | None, length: Callable[[int], int]) -> list[list[int]]:
+        out: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for i in idx:
+            li = length(i)
+            if cur and (len(cur) >= batch_size or (max_tokens is not None and (len(cur) + 1) * max(longest, li) > max_tokens)):
+                out.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, li)
+        if cur:
+            out.append(cur)
+        return out
+
+    def next_batch(self, batch_size: int, max_tokens: int | None, length: Callable[[int], int]) -> list[int]:
+        if self.group > 0:
+            if not self.queue:
+                pool = [self._next_index() for _ in range(batch_size * self.group)]
+                pool.sort(key=length)
+                batches = self._cut(pool, batch_size, max_tokens, length)
+                order = torch.randperm(len(batches), generator=self.gen).tolist()
+                self.queue = [batches[i] for i in order]
+            return self.queue.pop(0)
+        idx = [self._next_index()]
+        longest = length(idx[0])
+        while len(idx) < batch_size:
+            if max_tokens is not None:
+                nxt = self._peek()
+                if nxt < 0:  # epoch boundary: stop the batch here
+                    break
+                if (len(idx) + 1) * max(longest, length(nxt)) > max_tokens:
+                    break
+            i = self._next_index()
+            idx.append(i)
+            longest = max(longest, length(i))
+        return idx
+
+    def state_dict(self) -> dict:
+        return {"perm": list(self.perm), "pos": self.pos, "epoch": self.epoch, "queue": [list(b) for b in self.queue]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.perm, self.pos, self.epoch = list(d["perm"]), int(d["pos"]), int(d["epoch"])
+        self.queue = [list(b) for b in d.get("queue", [])]
+
+
+def input_length(objective: Objective, pair: Pair) -> int:
+    """Approximate padded input length of one example under ``objective`` (for token budgets)."""
+    p, r = len(pair[0]), len(pair[1])
+    if objective.name == "block":
+        bs = getattr(objective.options, "block_size", 8)
+        r = math.ceil(r / bs) * bs
+        return p + r + max(0, r - bs)
+    return p + r
+
+
+class Trainer:
+    """Train ``model`` with ``objective`` on ``train_pairs``; see the module docstring for outputs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        objective: Objective,
+        train_pairs: list[Pair],
+        config: TrainConfig,
+        out_dir: str | os.PathLike,
+        val_pairs: list[Pair] | None = None,
+        final_dir: str | os.PathLike | None = None,
+    ) -> None:
+        if not train_pairs:
+            raise ValueError("no training pairs")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.objective = objective
+        self.train_pairs = train_pairs
+        self.val_pairs = val_pairs or []
+        self.config = config
+        self.out_dir = Path(out_dir)
+        self.final_dir = Path(final_dir) if final_dir is not None else self.out_dir
+        self.step = 0
+        self.elapsed = 0.0
+        self.tokens_seen = 0
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        self.model.float()
+        objective.configure_model(self.model.config)
+        self.data_gen = torch.Generator().manual_seed(config.seed)
+        self.noise_gen = torch.Generator().manual_seed(config.seed + 1)
+        self.sampler = _Sampler(len(train_pairs), self.data_gen, config.group_by_length)
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.dim() < 2 else decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.lr, betas=tuple(config.betas),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self._lengths = [input_length(objective, p) for p in train_pairs]
+        self._val_batch: Batch | None = None
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        return self.out_dir / STATE_FILE
+
+    def save_state(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp_w = self.out_dir / (WEIGHTS_FILE + ".tmp")
+        save_model(self.model, str(tmp_w))
+        state = {
+            "step": self.step,
+            "elapsed": self.elapsed,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "data_gen": self.data_gen.get_state(),
+            "noise_gen": self.noise_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "config": self.config.model_dump(),
+            "objective": {"name": self.objective.name, "options": self.objective.options.model_dump()},
+        }
+        tmp_s = self.out_dir / (STATE_FILE + ".tmp")
+        torch.save(state, tmp_s)
+        os.replace(tmp_w, self.out_dir / WEIGHTS_FILE)
+        os.replace(tmp_s, self.state_path)
+
+    def load_state(self) -> bool:
+        """Restore from ``out_dir`` if a state is there; returns whether it did."""
+        if not self.state_path.is_file() or not (self.out_dir / WEIGHTS_FILE).is_file():
+            return False
+        state = torch.load(self.state_path, map_location="cpu", weights_only=False)
+        saved = state["objective"]
+        if saved["name"] != self.objective.name:
+            raise ValueError(
+                f"{self.state_path} was written by objective {saved['name']!r}, not {self.objective.name!r}"
+            )
+        missing, unexpected = load_model(self.model, str(self.out_dir / WEIGHTS_FILE), strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.data_gen.set_state(state["data_gen"])
+        self.noise_gen.set_state(state["noise_gen"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = int(state["step"])
+        self.elapsed = float(state.get("elapsed", 0.0))
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self._truncate_log()
+        return True
+
+    def _truncate_log(self) -> None:
+        """Drop log lines written after the saved step (they will be written again)."""
+        path = self.out_dir / LOG_FILE
+        if not path.is_file():
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if int(rec.get("step", 0)) <= self.step:
+                keep.append(line)
+        path.write_text("".join(l + "\n" for l in keep))
+
+    def _log(self, record: dict) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / LOG_FILE, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Loss and masked_acc (acc for ``ar``) on a fixed validation batch (empty without val pairs)."""
+        if not self.val_pairs:
+            return {}
+        if self._val_batch is None:
+            gen = torch.Generator().manual_seed(self.config.seed + 12345)
+            self._val_batch = self.objective.make_batch(self.val_pairs[: self.config.eval_batch_size], gen)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            _, metrics = self.objective.loss(self.model, self._val_batch)
+        self.model.train(was_training)
+        return metrics
+
+    # -- training ---------------------------------------------------------------------------
+    def next_batch(self) -> Batch:
+        idx = self.sampler.next_batch(self.config.batch_size, self.config.max_tokens, self._lengths.__getitem__)
+        return self.objective.make_batch([self.train_pairs[i] for i in idx], self.noise_gen)
+
+    def train(self, resume: bool = False, stop_at: int | None = None) -> dict[str, Any]:
+        """Train to ``config.steps`` (or stop after step ``stop_at``, saving the state there)."""
+        cfg = self.config
+        if not (resume and self.load_state()) and (self.out_dir / LOG_FILE).exists():
+            (self.out_dir / LOG_FILE).unlink()  # a fresh run starts a fresh log
+        end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+        self.model.train()
+        diffusion = self.objective.diffusion
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        interval_tokens = 0
+        interval_start = time.perf_counter()
+        last_metrics: dict[str, float] = {}
+        last_eval: dict[str, float] = {}
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, desc=f"train {self.objective.name}", disable=not cfg.progress,
+            mininterval=0.5 if sys.stderr.isatty() else 30.0, dynamic_ncols=True,
+        )
+        t_run = time.perf_counter()
+        elapsed0 = self.elapsed
+        while self.step < end:
+            batch = self.next_batch()
+            loss, metrics = self.objective.loss(self.model, batch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss.item()} at step {self.step + 1}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip and cfg.grad_clip > 0:
+                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                metrics["grad_norm"] = float(gnorm)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            ntok = batch.num_tokens
+            self.tokens_seen += ntok
+            interval_tokens += ntok
+            self.elapsed = elapsed0 + time.perf_counter() - t_run
+            metrics["batch_size"] = float(batch.n_examples)
+            for k, v in metrics.items():
+                if isinstance(v, float) and math.isnan(v):
+                    continue
+                sums[k] = sums.get(k, 0.0) + float(v)
+                counts[k] = counts.get(k, 0) + 1
+            post = {"loss": f"{metrics['loss']:.3f}"}
+            if diffusion and not math.isnan(metrics.get("masked_acc", float("nan"))):
+                post["macc"] = f"{metrics['masked_acc']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+
+            if self.step % cfg.log_every == 0 or self.step == end:
+                now = time.perf_counter()
+                last_metrics = {k: sums[k] / counts[k] for k in sums}
+                rec = {"kind": "train", "step": self.step, "lr": lr, **last_metrics,
+                       "tokens": self.tokens_seen, "tok_per_s": interval_tokens / max(now - interval_start, 1e-9),
+                       "elapsed": round(self.elapsed, 2)}
+                self._log(rec)
+                sums, counts, interval_tokens, interval_start = {}, {}, 0, now
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps and self.val_pairs:
+                last_eval = self.evaluate()
+                self._log({"kind": "eval", "step": self.step, **last_eval})
+                if diffusion and "masked_acc" in last_eval:
+                    bar.write(f"step {self.step}: val loss {last_eval['loss']:.4f} masked_acc {last_eval['masked_acc']:.3f}")
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < end:
+                self.save_state()
+        bar.close()
+        self.save_state()
+        finished = self.step >= cfg.steps
+        if finished:
+            if self.val_pairs:
+                last_eval = self.evaluate()
+                self._log({"kind": "eval", "step": self.step, **last_eval})
+            self.objective.configure_model(self.model.config)
+            save_pretrained(self.model, self.tokenizer, self.final_dir)
+        return {
+            "objective": self.objective.name,
+            "options": self.objective.options.model_dump(),
+            "steps": self.step,
+            "finished": finished,
+            "train": last_metrics,
+            "eval": last_eval,
+            "tokens": self.tokens_seen,
+            "wall_s": round(self.elapsed, 2),
+            "batch_size": cfg.batch_size,
+            "max_tokens": cfg.max_tokens,
+            "lr": cfg.lr,
+            "params": sum(p.numel() for p in self.model.parameters()),
+        }
+
+
+def read_log(out_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``out_dir/train_log.jsonl``."""
+    path = Path(out_dir) / LOG_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]

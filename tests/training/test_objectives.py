@@ -1,0 +1,306 @@
+"""Objectives: batch layouts (property tests), attention masks, losses on micro models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import DynamicCache, PreTrainedTokenizerFast
+
+from refusion.models.build import build_model
+from refusion.plugins.objectives import (
+    OBJECTIVES,
+    BlockObjective,
+    MdmObjective,
+    RefusionObjective,
+    block_layout,
+    refusion_layout,
+    register_objectives,
+)
+from refusion.training.objective import IGNORE, Objective
+
+torch.set_num_threads(2)
+SPECIAL = ["<|endoftext|>", "<|pad|>", "<|beginoftext|>", "<|mask|>"]
+MASK = 3
+TEXTS = [
+    "Ava has 3 * 12 = 36 pens.", "Ben has 25 + 14 = 39 pens.", "How many pens do they have in total?",
+    "def add(a, b):\n    return a + b", "The capital of France is Paris.", "Total: 36 + 39 = 75.\n#### 75",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tr = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(TEXTS * 3, tr)
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=SPECIAL[0], pad_token=SPECIAL[1],
+                                   bos_token=SPECIAL[2], mask_token=SPECIAL[3])
+
+
+@pytest.fixture(scope="module")
+def pairs(tok):
+    from refusion.training.data import encode_pair
+
+    qs = ["Ava buys 3 bags of 12 pens. How many?", "Write add.", "Capital of France?", "Ben has 25 pens."]
+    rs = ["Ava has 3 * 12 = 36 pens.\n#### 36", "def add(a, b):\n    return a + b", "Paris.", TEXTS[5]]
+    return [encode_pair(tok, q, r) for q, r in zip(qs, rs)]
+
+
+# ------------------------------------------------------------------------------------------
+# registration
+# ------------------------------------------------------------------------------------------
+def test_hook_registers_all_four():
+    got = {}
+    register_objectives(register=lambda name, cls: got.__setitem__(name, cls))
+    assert set(got) == {"ar", "refusion", "mdm", "block"}
+    for name, cls in got.items():
+        assert issubclass(cls, Objective) and cls.name == name
+    assert OBJECTIVES["mdm"].attention == "bidirectional"
+    assert OBJECTIVES["block"].attention == "block_causal"
+    assert OBJECTIVES["refusion"].attention == OBJECTIVES["ar"].attention == "causal"
+
+
+def test_options_forbid_unknown_keys():
+    with pytest.raises(Exception):
+        RefusionObjective(mask_id=3, pad_id=1, eos_id=0, options={"slot_size": 4})
+    o = RefusionObjective(mask_id=3, pad_id=1, eos_id=0, options={"slot_sizes": [2, 4]})
+    assert o.options.slot_sizes == [2, 4] and o.options.eps == 1e-3
+    assert BlockObjective(mask_id=3, pad_id=1, eos_id=0, block_size=4).options.block_size == 4
+
+
+# ------------------------------------------------------------------------------------------
+# refusion layout (pure function, property-tested)
+# ------------------------------------------------------------------------------------------
+@st.composite
+def layouts(draw):
+    P = draw(st.integers(0, 6))
+    R = draw(st.integers(1, 40))
+    k = draw(st.integers(1, 9))
+    n_slots = math.ceil(R / k)
+    masked = draw(st.lists(st.booleans(), min_size=n_slots, max_size=n_slots))
+    clean = [s for s in range(n_slots) if not masked[s]]
+    order = draw(st.permutations(clean))
+    prompt = draw(st.lists(st.integers(10, 99), min_size=P, max_size=P))
+    response = draw(st.lists(st.integers(10, 99), min_size=R, max_size=R))
+    return prompt, response, k, masked, list(order)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_refusion_layout_invariants(case):
+    prompt, response, k, masked, order = case
+    lay = refusion_layout(prompt, response, k, masked, order, MASK)
+    P, R = len(prompt), len(response)
+    ids, pos, lab, msk = lay["input_ids"], lay["position_ids"], lay["labels"], lay["masked"]
+    assert len(ids) == len(pos) == len(lab) == len(msk) == P + R
+    # prompt first, untouched, labels ignored
+    assert ids[:P] == prompt and pos[:P] == list(range(P)) and lab[:P] == [IGNORE] * P
+    # position ids are a permutation of the original positions
+    assert sorted(pos) == list(range(P + R))
+    original = {P + i: t for i, t in enumerate(response)}
+    seen = {}
+    for j in range(P, P + R):
+        p = pos[j]
+        if msk[j]:
+            assert ids[j] == MASK and lab[j] == original[p]  # masked label = original token there
+            seen[p] = lab[j]
+        else:
+            assert ids[j] == original[p]  # clean token sits at its own position id
+            seen[p] = ids[j]
+    # every response token appears exactly once, either as input or as a masked label
+    assert seen == original
+    # clean slots (in `order`) come before every masked token; masked slots in original order
+    n_clean_tok = sum(min(k, R - s * k) for s in order)
+    assert not any(msk[P:P + n_clean_tok]) and all(msk[P + n_clean_tok:])
+    masked_pos = pos[P + n_clean_tok:]
+    assert masked_pos == sorted(masked_pos)
+    # clean slots appear in `order`, each contiguous with increasing positions
+    j = P
+    for s in order:
+        size = min(k, R - s * k)
+        assert pos[j:j + size] == list(range(P + s * k, P + s * k + size))
+        # label[j] = next token of the same slot, last token of the slot ignored
+        assert lab[j:j + size] == response[s * k:s * k + size][1:] + [IGNORE]
+        j += size
+
+
+def test_refusion_layout_example():
+    lay = refusion_layout([5, 6], [10, 11, 12, 13, 14], 2, [False, True, False], [2, 0], MASK)
+    assert lay["input_ids"] == [5, 6, 14, 10, 11, MASK, MASK]
+    assert lay["position_ids"] == [0, 1, 6, 2, 3, 4, 5]
+    assert lay["labels"] == [IGNORE, IGNORE, IGNORE, 11, IGNORE, 12, 13]
+    assert lay["masked"] == [False] * 5 + [True, True]
+    with pytest.raises(ValueError):
+        refusion_layout([5], [10, 11], 1, [False, False], [0], MASK)  # order misses slot 1
+
+
+def test_refusion_batch(pairs):
+    obj = RefusionObjective(mask_id=MASK, pad_id=1, eos_id=0)
+    b = obj.make_batch(pairs, torch.Generator().manual_seed(0))
+    B, L = b.input_ids.shape
+    assert B == len(pairs) and L == max(len(p) + len(r) for p, r in pairs)
+    assert b.attention_mask.shape == (B, L)
+    for i, (p, r) in enumerate(pairs):
+        n = len(p) + len(r)
+        assert b.attention_mask[i, :n].all() and not b.attention_mask[i, n:].any()
+        assert (b.input_ids[i, n:] == 1).all() and (b.labels[i, n:] == IGNORE).all()
+        pos = b.position_ids[i].tolist()
+        assert sorted(pos[:n]) == list(range(n)) and pos[n:] == list(range(n, L))  # padding continues
+        w = b.weights[i][b.masked[i]]
+        if len(w):
+            assert torch.allclose(w, torch.full_like(w, 1.0 / (b.meta["p_mask"][i] * len(r))))
+        assert b.meta["slot_sizes"][i] in (4, 8, 16, 32)
+    # same generator state -> same batch
+    b2 = obj.make_batch(pairs, torch.Generator().manual_seed(0))
+    assert torch.equal(b.input_ids, b2.input_ids) and torch.equal(b.position_ids, b2.position_ids)
+
+
+def test_refusion_loss_matches_hand_computation(tok, pairs):
+    torch.manual_seed(0)
+    model = build_model(tok, "micro")
+    obj = RefusionObjective.from_tokenizer(tok, slot_sizes=[2])
+    b = obj.make_batch(pairs, torch.Generator().manual_seed(3))
+    loss, metrics = obj.loss(model, b)
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=b.attention_mask,
+                       use_cache=False).logits
+    ar_terms, mdm = [], 0.0
+    for i, (p, r) in enumerate(pairs):
+        for j in range(b.input_ids.shape[1]):
+            y = int(b.labels[i, j])
+            if y == IGNORE:
+                continue
+            ce = -torch.log_softmax(logits[i, j], -1)[y].item()
+            if b.masked[i, j]:
+                mdm += ce / b.meta["p_mask"][i] / len(r)
+            else:
+                ar_terms.append(ce)
+    want_ar = sum(ar_terms) / len(ar_terms)
+    want = want_ar + mdm / len(pairs)
+    assert metrics["loss_ar"] == pytest.approx(want_ar, rel=1e-4)
+    assert loss.item() == pytest.approx(want, rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# attention masks
+# ------------------------------------------------------------------------------------------
+def test_mdm_mask_is_bidirectional(tok, pairs):
+    obj = MdmObjective.from_tokenizer(tok)
+    b = obj.make_batch(pairs, torch.Generator().manual_seed(0))
+    B, L = b.input_ids.shape
+    assert b.attention_mask.shape == (B, 1, L, L) and b.attention_mask.dtype == torch.float32
+    R_max = max(len(r) for _, r in pairs)
+    for i, (p, _) in enumerate(pairs):
+        n = len(p) + R_max  # responses are EOS-padded to the longest response
+        allowed = b.attention_mask[i, 0] == 0
+        assert allowed[:n, :n].all()  # everyone sees everyone (incl. later tokens)
+        assert not allowed[:n, n:].any()  # nobody sees padding
+        assert (b.input_ids[i, len(p):n][~b.masked[i, len(p):n]] != tok.mask_token_id).all()
+        assert b.labels[i, :len(p)].eq(IGNORE).all()
+    # the model really is bidirectional under this mask: the first logits react to the last token
+    model = build_model(tok, "micro")
+    b1 = obj.make_batch(pairs[:1], torch.Generator().manual_seed(0))
+    ids2 = b1.input_ids.clone()
+    ids2[0, -1] = 7 if int(ids2[0, -1]) != 7 else 8
+    with torch.no_grad():
+        l1 = model(input_ids=b1.input_ids, position_ids=b1.position_ids, attention_mask=b1.attention_mask).logits
+        l2 = model(input_ids=ids2, position_ids=b1.position_ids, attention_mask=b1.attention_mask).logits
+    assert (l1[0, 0] - l2[0, 0]).abs().max() > 1e-4
+
+
+def test_block_layout_and_mask(tok, pairs):
+    bs = 4
+    obj = BlockObjective.from_tokenizer(tok, block_size=bs)
+    b = obj.make_batch(pairs, torch.Generator().manual_seed(0))
+    for i, (p, r) in enumerate(pairs):
+        P = len(p)
+        R = math.ceil(len(r) / bs) * bs  # EOS-padded to whole blocks
+        nb = R // bs
+        n = P + R + (nb - 1) * bs
+        kind = b.meta["kind"][i]
+        assert kind == [0] * P + [1] * R + [2] * ((nb - 1) * bs)
+        pos = b.position_ids[i, :n].tolist()
+        assert pos[P:P + R] == list(range(P, P + R)) and pos[P + R:n] == list(range(P, P + (nb - 1) * bs))
+        resp = r + [tok.eos_token_id] * (R - len(r))
+        assert b.input_ids[i, P + R:n].tolist() == resp[:(nb - 1) * bs]  # clean copy
+        allowed = b.attention_mask[i, 0] == 0
+        for q in range(n):
+            for k in range(n):
+                if kind[q] == 0:
+                    want = kind[k] == 0
+                elif kind[q] == 1:
+                    bq = (q - P) // bs
+                    want = kind[k] == 0 or (kind[k] == 1 and (k - P) // bs == bq) or \
+                        (kind[k] == 2 and (k - P - R) // bs < bq)
+                else:
+                    bq = (q - P - R) // bs
+                    want = kind[k] == 0 or (kind[k] == 2 and (k - P - R) // bs <= bq)
+                assert bool(allowed[q, k]) == want, (i, q, k)
+        assert not allowed[:n, n:].any()
+
+
+def test_block_training_matches_cached_decoding(tok, pairs):
+    """The decoder's view (prompt prefill, clean blocks appended to a cache, noisy block on top with an
+    all-ones mask) gives the same logits as the vectorised training layout."""
+    bs = 4
+    torch.manual_seed(0)
+    model = build_model(tok, "micro", attention="block_causal", block_size=bs).eval()
+    obj = BlockObjective.from_tokenizer(tok, block_size=bs, eps=0.5)
+    p, r = pairs[0]
+    b = obj.make_batch([(p, r)], torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        train_logits = model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=b.attention_mask,
+                             use_cache=False).logits[0]
+        P = len(p)
+        R = math.ceil(len(r) / bs) * bs
+        ids = b.input_ids[0]
+        for blk in range(R // bs):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=torch.tensor([p]), position_ids=torch.arange(P)[None],
+                  attention_mask=torch.zeros(1, 1, P, P), cache=cache, use_cache=True)
+            for prev in range(blk):  # finished blocks: clean tokens, full attention to cache + block
+                s = P + R + prev * bs
+                T = cache.layers[0].keys.shape[2]
+                model(input_ids=ids[s:s + bs][None], position_ids=b.position_ids[0, s:s + bs][None],
+                      attention_mask=torch.zeros(1, 1, bs, T + bs), cache=cache, use_cache=True)
+            s = P + blk * bs
+            T = cache.layers[0].keys.shape[2]
+            out = model(input_ids=ids[s:s + bs][None], position_ids=b.position_ids[0, s:s + bs][None],
+                        attention_mask=torch.zeros(1, 1, bs, T + bs), cache=cache, use_cache=True)
+            assert torch.allclose(out.logits[0], train_logits[s:s + bs], atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# every objective: shapes, finite loss, loss decreases on a fixed batch
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ar", "refusion", "mdm", "block"])
+def test_loss_decreases(tok, pairs, name):
+    torch.manual_seed(0)
+    obj = OBJECTIVES[name].from_tokenizer(tok)
+    model = build_model(tok, "micro", attention=obj.attention, block_size=getattr(obj.options, "block_size", None))
+    batch = obj.make_batch(pairs, torch.Generator().manual_seed(0))
+    B, L = batch.input_ids.shape
+    for t in (batch.position_ids, batch.labels, batch.masked, batch.weights):
+        assert t.shape == (B, L)
+    assert batch.attention_mask.shape in ((B, L), (B, 1, L, L))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        loss, metrics = obj.loss(model, batch)
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    if obj.diffusion:
+        assert 0.0 <= metrics["masked_acc"] <= 1.0
+    if name == "refusion":
+        assert {"loss_ar", "loss_mdm"} <= set(metrics)

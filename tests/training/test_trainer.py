@@ -1,0 +1,151 @@
+"""Trainer: exact resume, logs, final Hugging Face folder, data loading, CLI wiring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from refusion.models.build import build_model
+from refusion.models.loading import load_pretrained
+from refusion.plugins.objectives import OBJECTIVES
+from refusion.training.data import encode_pair, load_pairs
+from refusion.training.trainer import LOG_FILE, STATE_FILE, WEIGHTS_FILE, TrainConfig, Trainer, lr_lambda, read_log
+
+QA = [
+    ("ava has 3 pens. ben has 4 pens. total?", "3 + 4 = 7.\n#### 7"),
+    ("cy has 10 eggs and gives 2 away.", "10 - 2 = 8.\n#### 8"),
+    ("dan buys 2 bags of 5 cards.", "2 * 5 = 10.\n#### 10"),
+    ("capital of france?", "paris."),
+    ("eve has 6 coins and finds 7 more.", "6 + 7 = 13.\n#### 13"),
+    ("def add", "return a + b"),
+]
+
+
+@pytest.fixture
+def pairs(char_tokenizer):
+    return [encode_pair(char_tokenizer, q, r) for q, r in QA]
+
+
+def _trainer(tok, pairs, out, name="refusion", steps=6, **cfg):
+    torch.manual_seed(0)
+    obj = OBJECTIVES[name].from_tokenizer(tok)
+    model = build_model(tok, "micro", seed=0)
+    config = TrainConfig(steps=steps, batch_size=3, lr=3e-3, log_every=2, progress=False, seed=0, **cfg)
+    return Trainer(model, tok, obj, pairs, config, out, val_pairs=pairs[:4])
+
+
+@pytest.mark.parametrize("name,group", [("refusion", 0), ("block", 2)])
+def test_resume_gives_identical_weights(char_tokenizer, pairs, tmp_path, name, group):
+    straight = _trainer(char_tokenizer, pairs, tmp_path / "a", name, group_by_length=group)
+    straight.train()
+    first = _trainer(char_tokenizer, pairs, tmp_path / "b", name, group_by_length=group)
+    first.train(stop_at=3)
+    assert first.step == 3 and (tmp_path / "b" / STATE_FILE).is_file()
+    assert not (tmp_path / "b" / "config.json").exists()  # not finished: no final model yet
+    second = _trainer(char_tokenizer, pairs, tmp_path / "b", name, group_by_length=group)  # a fresh process
+    summary = second.train(resume=True)
+    assert summary["finished"] and second.step == 6
+    a = load_file(str(tmp_path / "a" / WEIGHTS_FILE))
+    b = load_file(str(tmp_path / "b" / WEIGHTS_FILE))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+    # the log was continued, not restarted; train records every 2 steps
+    steps = [r["step"] for r in read_log(tmp_path / "b") if r["kind"] == "train"]
+    assert steps == [2, 3, 4, 6]
+
+
+def test_outputs_log_and_final_model(char_tokenizer, pairs, tmp_path):
+    t = _trainer(char_tokenizer, pairs, tmp_path, "mdm", steps=4, eval_every=2)
+    summary = t.train()
+    log = read_log(tmp_path)
+    train = [r for r in log if r["kind"] == "train"]
+    evals = [r for r in log if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4]
+    assert {"loss", "masked_acc", "lr", "tokens", "tok_per_s", "elapsed"} <= set(train[0])
+    assert [r["step"] for r in evals] == [2, 4] and "masked_acc" in evals[-1]
+    assert summary["eval"]["masked_acc"] == evals[-1]["masked_acc"]
+    assert (tmp_path / LOG_FILE).is_file() and (tmp_path / STATE_FILE).is_file()
+    model, tok = load_pretrained(tmp_path)
+    assert model.config.refusion_attention == "bidirectional" and model.config.refusion_objective == "mdm"
+    assert model.config.mask_token_id == tok.mask_token_id == 3
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16"
+
+
+def test_block_model_records_block_size(char_tokenizer, pairs, tmp_path):
+    obj = OBJECTIVES["block"].from_tokenizer(char_tokenizer, block_size=4)
+    model = build_model(char_tokenizer, "micro")
+    Trainer(model, char_tokenizer, obj, pairs, TrainConfig(steps=1, batch_size=2, progress=False), tmp_path).train()
+    loaded, _ = load_pretrained(tmp_path)
+    assert loaded.config.refusion_attention == "block_causal" and loaded.config.refusion_block_size == 4
+
+
+def test_token_budget_batches(char_tokenizer, pairs, tmp_path):
+    t = _trainer(char_tokenizer, pairs, tmp_path, "ar", max_tokens=120)
+    longest = max(len(p) + len(r) for p, r in pairs)
+    for _ in range(8):
+        b = t.next_batch()
+        assert 1 <= b.n_examples <= 3
+        assert b.n_examples == 1 or b.input_ids.numel() <= 120 or b.input_ids.shape[1] <= longest
+
+
+def test_length_grouped_batches_cover_the_data(char_tokenizer, pairs, tmp_path):
+    t = _trainer(char_tokenizer, pairs, tmp_path, "ar", group_by_length=2)
+    lengths = [len(p) + len(r) for p, r in pairs]
+    seen = []
+    for _ in range(4):  # 2 pools of 2 batches of 3 = two epochs of 6 examples
+        idx = t.sampler.next_batch(3, None, lengths.__getitem__)
+        assert len(idx) == 3
+        seen += idx
+    assert sorted(seen) == sorted(list(range(6)) * 2)
+
+
+def test_schedule_warmup_then_cosine():
+    f = lr_lambda(TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1))
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.55, abs=0.01) and f(100) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(10, 100))
+
+
+def test_json_data_loading(char_tokenizer, tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"query": q, "response": r} for q, r in QA * 4]))
+    train = load_pairs(path, char_tokenizer, "train")
+    val = load_pairs(path, char_tokenizer, "validation")
+    assert len(train) + len(val) == 24 and len(val) == 1
+    p, r = train[0]
+    assert r[-1] == char_tokenizer.eos_token_id and p[-1] == char_tokenizer.convert_tokens_to_ids("\n")
+    assert char_tokenizer.eos_token_id not in p
+    short = load_pairs(path, char_tokenizer, "train", max_length=30)
+    assert 0 < len(short) < len(train) and all(len(a) + len(b) <= 30 for a, b in short)
+    path.write_text(json.dumps([{"query": 1}]))
+    with pytest.raises(ValueError):
+        load_pairs(path, char_tokenizer)
+
+
+def test_cli_train_from_folder(char_tokenizer, tmp_path):
+    from refusion.models.loading import save_pretrained
+    from refusion.training.cli import add_train_command
+
+    init = tmp_path / "init"
+    save_pretrained(build_model(char_tokenizer, "micro"), char_tokenizer, init)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"query": q, "response": r} for q, r in QA * 4]))
+    parser = argparse.ArgumentParser()
+    add_train_command(parser.add_subparsers(dest="command"))
+    out = tmp_path / "out"
+    args = parser.parse_args(["train", "--objective", "refusion", "--data", str(data), "--init", str(init),
+                              "--out", str(out), "--steps", "3", "--batch-size", "4", "--set", "slot_sizes=[2,4]",
+                              "--no-progress"])
+    assert args.func(args) == 0
+    model, _ = load_pretrained(out)
+    assert model.config.refusion_objective == "refusion"
+    with pytest.raises(SystemExit):
+        args = parser.parse_args(["train", "--objective", "refusion", "--data", str(data), "--init", str(init),
+                                  "--out", str(out), "--set", "slot_size=2", "--no-progress"])
+        args.func(args)
