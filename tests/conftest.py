@@ -8,7 +8,7 @@ os.environ["REFUSION_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # before any registry is b
 
 import pytest
 import torch
-from helpers import make_char_tokenizer, make_tiny_qwen3
+from helpers import MICRO_SENTENCE, make_char_tokenizer, make_tiny_qwen3
 from hypothesis import HealthCheck, settings
 from transformers import PreTrainedTokenizerFast
 
@@ -40,3 +40,28 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture
 def backbone(char_tokenizer) -> Backbone:
     return Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def micro_refusion(tmp_path_factory):
+    """A micro Qwen3 (~0.1M parameters) trained in seconds with the ReFusion objective on a toy task
+    (query: 3-5 letters; response: a fixed sentence that ends by copying the query)."""
+    import random
+
+    from refusion.core.registry import build_registry, make_plugin_manager
+    from refusion.models.build import build_model
+    from refusion.training.trainer import TrainConfig, Trainer
+
+    tok = make_char_tokenizer()
+    rng = random.Random(0)
+    pairs = []
+    for _ in range(2000):
+        q = "".join(rng.choice("abcde") for _ in range(rng.randint(3, 5)))
+        pairs.append((tok.encode(q + "\n", add_special_tokens=False),
+                      tok.encode(MICRO_SENTENCE + q + ".", add_special_tokens=False) + [tok.eos_token_id]))
+    model = build_model(tok, size="micro", seed=0)
+    objective = build_registry(make_plugin_manager(autoload=False)).get("objective", "refusion").from_tokenizer(tok)
+    cfg = TrainConfig(steps=400, batch_size=32, lr=3e-3, progress=False, log_every=100)
+    Trainer(model, tok, objective, pairs, cfg, tmp_path_factory.mktemp("micro")).train()
+    return Backbone(model.eval(), tok)
+

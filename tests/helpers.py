@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,+-*=#?\n")
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|beginoftext|>", "<|mask|>"]
+MICRO_SENTENCE = "the quick brown fox sees "  # the micro_refusion fixture's fixed response head
 
 
 def make_char_tokenizer(with_mask: bool = True) -> PreTrainedTokenizerFast:
