@@ -1,7 +1,8 @@
 """Built-in slot scorers: ``first_token_prob`` (ReFusion's rule) and its alternatives (paper App. C.2).
 
-A scorer maps a proposal of S slots to one confidence per slot (higher = more confident). With slot
-size 1 the same scorers give per-token confidences for token-level decoders.
+A scorer maps a proposal of S slots to one confidence per slot (higher = more confident), in [0, 1]
+for every built-in, so one threshold scale serves them all. With slot size 1 the same scorers give
+per-token confidences for token-level decoders.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ class MeanProb(Scorer):
 
 
 class MeanNegEntropy(Scorer):
-    """Mean negative entropy of the predictive distributions over the slot's positions."""
+    """Mean negative entropy of the predictive distributions over the slot's positions, as
+    ``exp(mean(-H))`` so that, like the probability scorers, scores lie in (0, 1] (1 = certain) and the
+    same thresholds apply; the order of slots is that of the mean negative entropy."""
 
     def score(self, proposal: Proposal) -> Tensor:
         logp = torch.log_softmax(proposal.logits.float(), dim=-1)  # [S, k, V]
-        return slot_mean((logp.exp() * logp).sum(-1), proposal)
+        return slot_mean((logp.exp() * logp).sum(-1), proposal).exp()
 
 
 class Margin(Scorer):
