@@ -17,8 +17,9 @@ def test_values_and_padding():
     sharp = torch.tensor([[10.0, 0, 0], [10.0, 0, 0]])  # two confident positions
     flat = torch.zeros(2, 3)  # two uniform positions
     p = proposal(torch.stack([sharp, flat, torch.stack([sharp[0], flat[0]])]))  # [3 slots, k=2, V=3]
-    assert FirstTokenProb().score(p).tolist() == pytest.approx([p.probs[0, 0], 1 / 3, p.probs[0, 0]])
-    assert MeanProb().score(p)[2] == pytest.approx((p.probs[0, 0] + 1 / 3) / 2)
+    top = p.probs[0, 0].item()
+    assert FirstTokenProb().score(p).tolist() == pytest.approx([top, 1 / 3, top])
+    assert MeanProb().score(p)[2] == pytest.approx((top + 1 / 3) / 2)
     # padding: slot 2 with only its first (sharp) position real scores like slot 0
     padded = Proposal(p.token_ids, p.probs, p.logits, torch.tensor([[True, True], [True, True], [True, False]]))
     for scorer in (MeanProb(), MeanNegEntropy(), Margin()):
