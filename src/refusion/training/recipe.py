@@ -188,6 +188,22 @@ def run_recipe(
     return summary
 
 
+def report(out: str | os.PathLike) -> str:
+    """A markdown table of a recipe's ``recipe_summary.json``: wall time, final losses, masked accuracy."""
+    summary = json.loads((Path(out) / SUMMARY_FILE).read_text())
+    lines = ["| stage | objective | steps | wall (min) | train loss | val loss | val token acc | val masked acc |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, st in summary["stages"].items():
+        if "objective" not in st:
+            continue
+        tr, ev = st.get("train", {}), st.get("eval", {})
+        cell = lambda d, k: f"{d[k]:.3f}" if k in d else "-"  # noqa: E731
+        acc = ev.get("acc", ev.get("ar_acc"))
+        lines.append(f"| {name} | {st['objective']} | {st['steps']} | {st['wall_s'] / 60:.1f} | {cell(tr, 'loss')} | "
+                     f"{cell(ev, 'loss')} | {'-' if acc is None else f'{acc:.3f}'} | {cell(ev, 'masked_acc')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m refusion.training.recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report", action="store_true", help="print OUT's summary as a markdown table and exit")
     a = p.parse_args(argv)
+    if a.report:
+        print(report(a.out), end="")
+        return 0
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
                threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit)
