@@ -100,4 +100,4 @@ if __name__ == "__main__":
     print("| bad input | error | message |\n|---|---|---|")
     for name, fn, _, _ in CASES:
         kind, msg = message(fn)
-        print(f"| {name} | `{kind}` | {msg.replace('|', '/')} |")
+        print(f"| {name} | `{kind}` | {msg.replace('|', chr(92) + '|')} |")

@@ -70,10 +70,10 @@ def _format(err: ValidationError, prefix: str = "") -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
         got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"{loc or '<root>'}: {msg}{got}")
+        lines.append(f"{loc}: {msg}{got}" if loc else msg)
     return "; ".join(lines)
 
 
