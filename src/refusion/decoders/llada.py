@@ -25,6 +25,10 @@ semi-autoregressive blocks of ``block_length``; each block gets ``steps / num_bl
 * ``dual``   KV of ``x[:s]`` and ``x[e:]`` from the refresh forward; other steps forward only the block.
 
 Every forward attends everywhere (4D all-zero additive mask). The output is cut after the first EOS.
+
+Shifted-logits models (``backbone.logits_shifted``: Dream, whose logits at position i predict token i+1
+even at a [MASK] input) have their logits shifted right by one before use; in a cached window the first
+position's prediction comes from the last full (refresh) forward, as D2F / dllm do.
 """
 
 from __future__ import annotations
@@ -99,6 +103,11 @@ def drop_span(cache: DynamicCache, start: int, end: int) -> None:
         layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
 
 
+def shift_right(logits: Tensor) -> Tensor:
+    """Shifted-logits models (Dream): ``out[i] = logits[i-1]`` (the prediction of token i); ``out[0] = logits[0]``."""
+    return torch.cat([logits[:1], logits[:-1]])
+
+
 def full_mask(q: int, kv: int, dtype: torch.dtype) -> Tensor:
     """``[1, 1, q, kv]`` additive mask letting every query attend to every key."""
     return torch.zeros(1, 1, q, kv, dtype=dtype)
@@ -130,6 +139,8 @@ class LladaDecoder(Decoder):
                 if o.kv_cache == "none" or refresh:  # full forward; a refresh keeps the prefix (+ suffix) KV
                     cache = bb.new_cache() if o.kv_cache != "none" else None
                     logits, off = bb.forward(x, pos, cache, attn_mask=full_mask(N, N, dt))[0], 0
+                    if bb.logits_shifted:  # Dream: logits[i] predict i+1 -> shift right; keep s's prediction
+                        head, logits = logits[s - 1], shift_right(logits)
                     if o.kv_cache == "prefix":
                         bb.crop(cache, s)
                     elif o.kv_cache == "dual":
@@ -138,6 +149,8 @@ class LladaDecoder(Decoder):
                     end = N if o.kv_cache == "prefix" else e
                     mask = full_mask(end - s, N, dt)  # the cache holds the other N - (end - s) tokens
                     logits, off = bb.forward(x[s:end], pos[s:end], cache, keep_kv=False, attn_mask=mask)[0], s
+                    if bb.logits_shifted:  # position s is predicted from s-1, outside the window: last refresh's
+                        logits = torch.cat([head[None], logits[:-1]])
                 pool = (x[s:e] == bb.mask_id).nonzero().flatten() + s  # [n] absolute positions
                 proposal = drafter.draft(logits[pool - off][:, None], generator)  # [n, 1]
                 if o.remasking == "random":

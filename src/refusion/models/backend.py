@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from refusion.models.loading import load_pretrained
+from refusion.models.loading import load_pretrained, resolve_model_path  # noqa: F401 (load_pretrained: re-export)
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -55,10 +55,22 @@ class Backbone:
         mask_id: int | None = None,
         eos_ids: set[int] | None = None,
         attention: str | None = None,
+        logits_shifted: bool = False,
+        family: str | None = None,
+        mask_required: bool = True,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.mask_id = find_mask_id(model, tokenizer) if mask_id is None else int(mask_id)
+        #: name of the model family (see :mod:`refusion.models.families`), when loaded through one
+        self.family = family
+        #: True for models whose logits at position i predict token i+1 even at a [MASK] input (Dream);
+        #: decoders that read [MASK] predictions consult it and shift the logits right by one
+        self.logits_shifted = bool(logits_shifted)
+        if mask_id is None and not mask_required:  # an AR-only family: the mask token is optional
+            mask_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else getattr(model.config, "mask_token_id", None)
+            self._mask_id = None if mask_id is None else int(mask_id)
+        else:
+            self._mask_id = find_mask_id(model, tokenizer) if mask_id is None else int(mask_id)
         if eos_ids is None:
             eos = model.config.eos_token_id if model.config.eos_token_id is not None else tokenizer.eos_token_id
             eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
@@ -74,13 +86,33 @@ class Backbone:
         self.nfe = 0
         self.tokens_in = 0
 
+    @property
+    def mask_id(self) -> int:
+        """The [MASK] id; a model without one (an AR-only family) raises :class:`MaskTokenError` here."""
+        if self._mask_id is None:
+            raise MaskTokenError(
+                f"this model{f' (family {self.family!r})' if self.family else ''} has no mask token, so only "
+                "autoregressive decoding (decoder 'ar') can drive it; diffusion decoders need a model trained with one"
+            )
+        return self._mask_id
+
+    @mask_id.setter
+    def mask_id(self, value: int | None) -> None:
+        self._mask_id = None if value is None else int(value)
+
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
-        trust_remote_code: bool = False,
+        trust_remote_code: bool = False, family: str | None = None,
     ) -> "Backbone":
-        model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer)
+        """Load a local folder / shipped checkpoint; its family (detected from ``config.json``, or ``family``)
+        decides attention, mask id, logits shift and EOS ids (:mod:`refusion.models.families`)."""
+        from refusion.models import families
+
+        path = resolve_model_path(name_or_path)
+        fam = families.resolve_family(path, family)
+        model, tokenizer = families.load_model(path, fam, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        return cls(model, tokenizer, **families.backbone_kwargs(fam, model, tokenizer))
 
     # ------------------------------------------------------------------ checks
     def check_length(self, prompt_len: int, gen_length: int) -> None:
@@ -133,7 +165,8 @@ class Backbone:
                 f"forward {self.nfe} produced NaN/inf logits (dtype {self.model.dtype}); check the checkpoint "
                 "and try --dtype float32"
             )
-        logits[..., self.mask_id] = torch.finfo(logits.dtype).min  # [MASK] is never a token to generate
+        if self._mask_id is not None:
+            logits[..., self._mask_id] = torch.finfo(logits.dtype).min  # [MASK] is never a token to generate
         return logits
 
     # ------------------------------------------------------------ cache ops

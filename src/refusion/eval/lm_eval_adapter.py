@@ -1,0 +1,368 @@
+"""The lm-evaluation-harness model ``refusion``: any decoder of this project behind ``lm_eval.api.model.LM``.
+
+::
+
+    lm_eval.simple_evaluate(model=RefusionLM(pretrained="runs/m", config="gsm8k_cot.yaml"), tasks=[...])
+    # or, after ``import refusion.eval.lm_eval_adapter``:  --model refusion
+    #     --model_args pretrained=/path/model,config=/abs/gsm8k_cot.yaml,trust_remote_code=True
+
+Model arguments (``model_args``; the harness also passes ``batch_size``, ``max_batch_size``, ``device``):
+
+- ``pretrained``: model folder or shipped checkpoint name (or ``backbone=`` a ready
+  :class:`~refusion.models.backend.Backbone`);
+- ``config``: ONE decoder config file (YAML/TOML, as ``refusion generate --config``), so that nested
+  values never meet the harness's comma-splitting parser; ``decoder=`` names a decoder instead; any other
+  keyword is a decoder option (``slot_size=32``) validated by that decoder; default decoder: the first
+  one the model's family serves;
+- ``family``, ``trust_remote_code``, ``dtype`` (``float32`` | ``bfloat16`` | ``float16``), ``device``;
+- ``gen_length_from``: ``task`` (default: a request's ``max_gen_toks`` is the decoder's ``gen_length``,
+  the config's ``gen_length`` when the task gives none) or ``config`` (always the config's ``gen_length``:
+  what the ReFusion reference evaluation did);
+- ``warmup``: untimed decodes before the first timed one (default 1 on CUDA, 0 on CPU);
+- ``stats_path``: append one JSON line of decode statistics per request (per rank: ``{rank}`` in the
+  path is replaced).
+
+``generate_until`` decodes one request at a time (the decoders are batch-1 loops; ``batch_size`` is
+accepted and ignored), cuts the text at the first ``until`` string, and records tokens / NFE / time.
+When a request's length makes the config invalid (``serial_blocks`` must divide the slot count, ...),
+the smallest valid ``gen_length`` above it is used and the output cut back to the request's length.
+
+``loglikelihood`` / ``loglikelihood_rolling`` are exact for causal models (ReFusion, Qwen3, the tiny
+causal models): one forward of context + continuation, the sum of the continuation tokens' log-probs
+from the full softmax, and whether each was the argmax. Masked diffusion models (bidirectional /
+block-causal attention) would need Monte-Carlo estimates (LLaDA's ``mc_num``), not implemented here:
+they raise ``NotImplementedError`` saying so.
+
+Data parallelism: under ``accelerate launch`` / ``torchrun`` (``WORLD_SIZE`` > 1) the adapter joins the
+process group through ``accelerate``'s ``PartialState`` (gloo on CPU, NCCL on CUDA, one GPU per rank),
+and implements ``all_gather`` / ``gather_object`` / ``barrier`` with ``torch.distributed``; the harness
+then strides the documents over the ranks and gathers the metrics on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import lm_eval.models  # noqa: F401  (built-in models first: get_model() skips it once the registry is non-empty)
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from refusion.core.config import ConfigError, build_decoder, load_config_file, validate_config
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
+
+
+def distributed_world(cpu: bool) -> tuple[int, int, Any]:
+    """``(rank, world_size, state)``: joins the process group through accelerate when launched with
+    several processes (``WORLD_SIZE`` > 1: ``accelerate launch`` / ``torchrun``); ``state`` is accelerate's
+    ``PartialState`` (gloo when ``cpu``, else NCCL) or None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        state = PartialState(cpu=cpu)
+        if state.num_processes > 1:
+            return state.process_index, state.num_processes, state
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return torch.distributed.get_rank(), torch.distributed.get_world_size(), None
+    return 0, 1, None
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """``text`` up to (not including) the first occurrence of any stop string."""
+    cut = len(text)
+    for stop in until:
+        if stop:
+            i = text.find(stop)
+            if 0 <= i < cut:
+                cut = i
+    return text[:cut]
+
+
+@register_model("refusion")
+class RefusionLM(LM):
+    """lm-eval model backed by a :class:`~refusion.models.backend.Backbone` and one decoder config."""
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: str | dict | None = None,
+        decoder: str | None = None,
+        device: str | None = None,
+        dtype: str = "float32",
+        batch_size: int | str | None = 1,
+        max_batch_size: int | None = None,
+        trust_remote_code: bool = False,
+        family: str | None = None,
+        gen_length_from: str = "task",
+        warmup: int | None = None,
+        stats_path: str | None = None,
+        max_length: int | None = None,
+        backbone: Any = None,
+        **decoder_options: Any,
+    ) -> None:
+        super().__init__()
+        from refusion.models.backend import Backbone
+        from refusion.models.families import get_family
+
+        if gen_length_from not in ("task", "config"):
+            raise ConfigError(f"gen_length_from must be 'task' or 'config', got {gen_length_from!r}")
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        want = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._rank, self._world_size, self._state = distributed_world(cpu=not want.startswith("cuda"))
+        if self._world_size > 1 and want.startswith("cuda"):
+            want = f"cuda:{int(os.environ.get('LOCAL_RANK', self._rank))}"  # one GPU per rank
+            torch.cuda.set_device(torch.device(want))
+        self._device = torch.device(want)
+
+        cfg: dict[str, Any] = {}
+        if isinstance(config, dict):
+            cfg = dict(config)
+        elif config:
+            cfg = load_config_file(config)
+        if decoder:
+            if cfg.get("decoder", decoder) != decoder:
+                raise ConfigError(f"decoder={decoder!r} contradicts decoder {cfg['decoder']!r} in {config}")
+            cfg["decoder"] = decoder
+        cfg.update(decoder_options)  # flat decoder options given as model args (validated by the decoder)
+
+        if backbone is None:
+            if not pretrained:
+                raise ConfigError("model_args: give pretrained=<model folder>")
+            if cfg.get("decoder"):
+                validate_config(cfg)  # fail on a bad config before loading a model
+            backbone = Backbone.from_pretrained(
+                pretrained, device=str(self._device), dtype=DTYPES[dtype], trust_remote_code=bool(trust_remote_code),
+                family=family,
+            )
+        self.backbone = backbone
+        self.tokenizer = backbone.tokenizer
+        fam = get_family(backbone.family) if backbone.family else None
+        if not cfg.get("decoder"):
+            if fam is None:
+                raise ConfigError("no decoder: give config=FILE with a `decoder:` key or decoder=NAME")
+            cfg["decoder"] = fam.decoders[0]
+        if fam is not None:
+            fam.check_decoder(cfg["decoder"])
+        self.config = cfg
+        self.default_gen_length = int(validate_config(cfg)[1].gen_length)
+        self._decoders: dict[int, Any] = {}
+        self.decoder_for(self.default_gen_length)  # refuses a mismatched model now, before any forward
+        self.gen_length_from = gen_length_from
+        self.warmup = int(warmup) if warmup is not None else (1 if self._device.type == "cuda" else 0)
+        self._warmed = False
+        self.batch_size = batch_size
+        self.max_length = int(max_length) if max_length else backbone.max_positions
+        self.stats_path = stats_path.replace("{rank}", str(self._rank)) if stats_path else None
+        self.records: list[dict[str, Any]] = []  # one per generate_until request (this rank)
+        self._warned_sampling = False
+
+    # ------------------------------------------------------------------ harness plumbing
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "") or "refusion").replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            key = chat_template if isinstance(chat_template, str) else "default"
+            template = template.get(key) or next(iter(template.values()), None)
+        return template or ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"tokenizer {self.tokenizer_name!r} has no chat template; run without --apply_chat_template")
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenation over ranks (dim 0; a scalar becomes one entry per rank)."""
+        if self.world_size <= 1:
+            return tensor
+        t = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        torch.distributed.all_gather(out, t.contiguous())
+        return torch.cat(out)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self.world_size <= 1:
+            return [obj]
+        result = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj, result, dst=dst)
+        return result
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    # ------------------------------------------------------------------------- decoding
+    def decoder_for(self, gen_length: int):
+        """The decoder for ``gen_length`` tokens; when that length makes the config invalid, the one for the
+        smallest valid length above it (the output is cut back by the caller)."""
+        if gen_length in self._decoders:
+            return self._decoders[gen_length]
+        last: Exception | None = None
+        for n in range(gen_length, 4 * gen_length + 4097):
+            try:
+                dec = build_decoder(self.backbone, {**self.config, "gen_length": n})
+            except ConfigError as e:
+                if n == gen_length:
+                    last = e
+                continue
+            self._decoders[gen_length] = dec
+            return dec
+        raise ConfigError(f"no valid gen_length >= {gen_length} for this config: {last}")
+
+    def _gen_length(self, gen_kwargs: dict[str, Any]) -> int:
+        if self.gen_length_from == "task" and gen_kwargs.get("max_gen_toks"):
+            return int(gen_kwargs["max_gen_toks"])
+        return self.default_gen_length
+
+    def _encode_context(self, context: str, gen_length: int) -> list[int]:
+        ids = list(self.tokenizer.encode(context, add_special_tokens=False))
+        room = self.max_length - gen_length
+        if room < 1:
+            raise ConfigError(f"gen_length {gen_length} leaves no room for a prompt in {self.max_length} positions")
+        if len(ids) > room:
+            log.warning("context of %d tokens left-truncated to %d (max_length %d - gen_length %d)",
+                        len(ids), room, self.max_length, gen_length)
+            ids = ids[-room:]
+        return ids or [self.prefix_token_id]
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return int(bos) if bos is not None else min(self.backbone.eos_ids)
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        out: list[str] = []
+        for req in tqdm(requests, desc="refusion generate_until", disable=disable_tqdm or self.rank != 0):
+            context, gen_kwargs = req.args
+            gen_kwargs = dict(gen_kwargs or {})
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            if not self._warned_sampling and any(gen_kwargs.get(k) for k in SAMPLING_KEYS):
+                log.warning("sampling settings %s of the task are ignored: the decoder config decides",
+                            {k: gen_kwargs[k] for k in SAMPLING_KEYS if k in gen_kwargs})
+                self._warned_sampling = True
+            gen_length = self._gen_length(gen_kwargs)
+            decoder = self.decoder_for(gen_length)
+            ids = self._encode_context(context, getattr(decoder.options, "padded_length", decoder.options.gen_length))
+            if not self._warmed:
+                for _ in range(self.warmup):  # untimed: one-off costs (allocator, kernels) stay out of the stats
+                    decoder.generate(ids)
+                self._warmed = True
+            result = decoder.generate(ids)
+            tokens = result.token_ids[:gen_length]
+            text = result.text if len(tokens) == len(result.token_ids) else self.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = cut_at_stop(text, until)
+            s = result.stats
+            self._record({"prompt_tokens": len(ids), "generated_tokens": s.generated_tokens, "nfe": s.nfe,
+                          "wall_s": s.wall_s, "gen_length": gen_length})
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        rec = {"rank": self.rank, **rec}
+        self.records.append(rec)
+        if self.stats_path:
+            Path(self.stats_path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.stats_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
+    def summary(self, records: list[dict[str, Any]] | None = None) -> dict[str, float]:
+        """Tokens/s (total tokens / total decode time), TPF (tokens / forwards), mean NFE and latency."""
+        rs = self.records if records is None else records
+        if not rs:
+            return {}
+        tokens, nfe, wall = (sum(r[k] for r in rs) for k in ("generated_tokens", "nfe", "wall_s"))
+        return {"requests": len(rs), "tokens_per_second": tokens / wall if wall else 0.0,
+                "tpf": tokens / nfe if nfe else 0.0, "nfe_mean": nfe / len(rs), "latency_s_mean": wall / len(rs),
+                "generated_tokens_mean": tokens / len(rs)}
+
+    # ---------------------------------------------------------------------- likelihoods
+    def _require_causal(self, what: str) -> None:
+        bb = self.backbone
+        if bb.attention != "causal" or bb.logits_shifted:
+            raise NotImplementedError(
+                f"{what} is exact only for causal models; this model "
+                f"({f'family {bb.family!r}, ' if bb.family else ''}{bb.attention} attention) is a masked diffusion "
+                "model, whose likelihood needs a Monte-Carlo estimate over masking ratios (LLaDA's mc_num), "
+                "which this adapter does not implement; evaluate it on generative tasks (output_type: generate_until)"
+            )
+
+    @torch.no_grad()
+    def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
+        """Sum of log p(cont | context) over the continuation tokens and whether each was the argmax."""
+        whole = (context_ids + cont_ids)[-(self.max_length + 1):]
+        inp = torch.tensor(whole[:-1], device=self.device)[None]
+        n = len(inp[0])
+        model = self.backbone.model
+        logits = model(input_ids=inp, position_ids=torch.arange(n, device=self.device)[None],
+                       attention_mask=torch.ones_like(inp), use_cache=False).logits[0].float()
+        self.backbone.nfe += 1
+        self.backbone.tokens_in += n
+        k = len(cont_ids)
+        logp = F.log_softmax(logits[n - k:], dim=-1)  # [k, V]: row j predicts cont_ids[j]
+        target = torch.tensor(cont_ids, device=self.device)
+        ll = float(logp.gather(-1, target[:, None]).sum())
+        greedy = bool((logp.argmax(-1) == target).all())
+        return ll, greedy
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """The harness's convention: trailing spaces of the context move to the continuation; the
+        continuation's tokens are those of ``context + continuation`` after the context's."""
+        n = len(context) - len(context.rstrip())
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        enc = lambda s: list(self.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+        if not context:
+            cont = enc(continuation)
+            return [self.prefix_token_id], cont
+        whole, ctx = enc(context + continuation), enc(context)
+        return ctx, whole[len(ctx):]
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self._require_causal("loglikelihood")
+        out = []
+        for req in tqdm(requests, desc="refusion loglikelihood", disable=disable_tqdm or self.rank != 0):
+            context, continuation = req.args
+            ctx, cont = self._encode_pair(context, continuation)
+            res = self._continuation_logprob(ctx, cont) if cont else (0.0, True)
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), res)
+            out.append(res)
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        self._require_causal("loglikelihood_rolling")
+        out = []
+        for req in tqdm(requests, desc="refusion loglikelihood_rolling", disable=disable_tqdm or self.rank != 0):
+            (string,) = req.args
+            tokens = list(self.tokenizer.encode(string, add_special_tokens=False))
+            windows = map(make_disjoint_window, get_rolling_token_windows(
+                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1))
+            total = sum(self._continuation_logprob(list(ctx), list(cont))[0] for ctx, cont in windows)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            out.append(total)
+        return out
