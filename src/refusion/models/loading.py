@@ -8,6 +8,7 @@ CPU by default). ``trust_remote_code`` stays off unless the caller asks for it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -83,5 +84,9 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     model.save_pretrained(out, state_dict=state, safe_serialization=True)  # the in-memory model is untouched
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = str(dtype).removeprefix("torch.")  # the stored weights' dtype, not the model's in memory
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(out)
     return out
