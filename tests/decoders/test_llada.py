@@ -1,7 +1,6 @@
 """LLaDA / Fast-dLLM v1 decoder on a tiny random bidirectional Qwen3: schedule, caches, parallel rules, EOS."""
 
 import pytest
-import torch
 from helpers import ban_token, force_token, make_tiny_qwen3
 
 from refusion.core.config import ConfigError, build_decoder, validate_config

@@ -1,7 +1,6 @@
 """Decoder invariants over a generated space of configurations, prompts and EOS placements."""
 
 import pytest
-import torch
 from helpers import ban_token, force_token, make_tiny_qwen3
 from hypothesis import given
 from hypothesis import strategies as st

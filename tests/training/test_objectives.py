@@ -17,7 +17,6 @@ from refusion.plugins.objectives import (
     BlockObjective,
     MdmObjective,
     RefusionObjective,
-    block_layout,
     refusion_layout,
     register_objectives,
 )

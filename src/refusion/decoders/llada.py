@@ -96,13 +96,6 @@ def choose(selector: Selector, scores: Tensor, budget: int | None, at_least_one:
     return selector.select(scores)
 
 
-def drop_span(cache: DynamicCache, start: int, end: int) -> None:
-    """In place: remove the KV of buffer entries ``start .. end-1`` (keys keep their RoPE positions)."""
-    for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=-2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
-
-
 def shift_right(logits: Tensor) -> Tensor:
     """Shifted-logits models (Dream): ``out[i] = logits[i-1]`` (the prediction of token i); ``out[0] = logits[0]``."""
     return torch.cat([logits[:1], logits[:-1]])
@@ -144,7 +137,7 @@ class LladaDecoder(Decoder):
                     if o.kv_cache == "prefix":
                         bb.crop(cache, s)
                     elif o.kv_cache == "dual":
-                        drop_span(cache, s, e)
+                        bb.drop_span(cache, s, e)
                 else:  # prefix: block + later masks after x[:s]; dual: only the block between x[:s] and x[e:]
                     end = N if o.kv_cache == "prefix" else e
                     mask = full_mask(end - s, N, dt)  # the cache holds the other N - (end - s) tokens

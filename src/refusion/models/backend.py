@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from refusion.models.loading import load_pretrained, resolve_model_path  # noqa: F401 (load_pretrained: re-export)
+from refusion.models.loading import resolve_model_path
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -205,6 +205,13 @@ class Backbone:
     def select(cache: DynamicCache, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), in place."""
         cache.batch_select_indices(torch.tensor(rows, device=cache.layers[0].keys.device))
+
+    @staticmethod
+    def drop_span(cache: DynamicCache, start: int, end: int) -> None:
+        """In place: remove the KV of buffer entries ``start .. end-1`` (keys keep their RoPE positions)."""
+        for layer in cache.layers:
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=-2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
 
     @staticmethod
     def concat_rows(cache: DynamicCache, base_len: int, lengths: list[int]) -> None:
