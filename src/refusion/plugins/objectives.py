@@ -319,7 +319,18 @@ class RefusionObjective(Objective):
         return loss, metrics
 
 
-class MdmObjective(Objective):
+class MaskedDiffusionObjective(Objective):
+    """Shared loss of the masked-diffusion objectives: 1/p_mask-weighted CE on masked positions."""
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        logits = self.forward_logits(model, batch)
+        loss = _diffusion_loss(logits, batch)
+        metrics = {"loss": loss.item()}
+        metrics.update(_masked_metrics(logits, batch))
+        return loss, metrics
+
+
+class MdmObjective(MaskedDiffusionObjective):
     """LLaDA-style masked diffusion: bidirectional attention, per-token Bernoulli(p_mask) masking."""
 
     name = "mdm"
@@ -364,15 +375,7 @@ class MdmObjective(Objective):
             meta={"p_mask": pm, "n_tokens": int(valid.sum())},
         )
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        logits = self.forward_logits(model, batch)
-        loss = _diffusion_loss(logits, batch)
-        metrics = {"loss": loss.item()}
-        metrics.update(_masked_metrics(logits, batch))
-        return loss, metrics
-
-
-class BlockObjective(Objective):
+class BlockObjective(MaskedDiffusionObjective):
     """Block diffusion (BD3-LM vectorised training): noisy block b attends to clean blocks < b."""
 
     name = "block"
@@ -429,14 +432,6 @@ class BlockObjective(Objective):
             n_examples=B,
             meta={"n_tokens": n_tokens, "kind": [r["kind"] for r in rows]},
         )
-
-    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        logits = self.forward_logits(model, batch)
-        loss = _diffusion_loss(logits, batch)
-        metrics = {"loss": loss.item()}
-        metrics.update(_masked_metrics(logits, batch))
-        return loss, metrics
-
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "ar": ArObjective,
