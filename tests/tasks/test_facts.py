@@ -23,23 +23,24 @@ def test_knowledge_base_is_fixed_and_well_formed(task):
 def test_questions_have_four_options_and_one_gold_letter(task):
     for example in task.examples("test") + task.examples("validation"):
         question, *options = example.query.split("\n")
-        assert [o[:3] for o in options] == [f"{letter}. " for letter in LETTERS]
-        values = [o[3:] for o in options]
+        assert [o[-4:] for o in options] == [f" ({letter})" for letter in LETTERS]
+        values = [o[:-4] for o in options]
         gold = task.facts[example.meta["country"]][example.meta["attribute"]]
         assert len(set(values)) == 4 and values[LETTERS.index(example.answer)] == gold
         assert all(v in task.pools[example.meta["attribute"]] for v in values)
-        assert example.response.endswith(f"The answer is {example.answer}.") and gold in example.response
+        assert example.response.endswith(f"The answer is {example.answer}.")
+        assert f"{gold} ({example.answer})" in example.response  # value, then its letter, as in the query
         assert task.extract(example.response) == example.answer
 
 
 def test_train_teaches_every_fact_and_eval_queries_are_new(task):
     train = task.examples("train")
     assert len(train) == 7200 and train[:100] == FactsTask().examples("train", 100)
-    statements = {e.response for e in train if "\nA. " not in e.query}
+    statements = {e.response for e in train if "(A)" not in e.query}
     for country in task.facts:
         for attribute in ATTRIBUTES:
             assert task.statement(country, attribute) in statements
-    questions = [e for e in train if "\nA. " in e.query]
+    questions = [e for e in train if "(A)" in e.query]
     assert len({(e.meta["country"], e.meta["attribute"]) for e in questions}) == 240
     queries = {e.query for e in train}
     for split in ("validation", "test"):

@@ -1,24 +1,26 @@
-"""``arith``: word problems made of 3-5 independent sub-computations and a final sum.
+"""``arith``: word problems made of 3-4 independent sub-computations and a final sum.
 
 Each person in the story gets some objects by one small operation, stated in the query::
 
-    Ava buys 3 bags of 12 pens. Ben has 25 pens and finds 14 more. Cora has 40 pens and gives 15 away.
+    Ava buys 3 bags of 7 pens. Ben has 25 pens and finds 4 more. Cora has 30 pens and gives 7 away.
     How many pens do they have in total?
 
-The response works each part out on its own line, then adds the results two at a time::
+The response restates each part and works it out on its own line, then adds the results two at a time::
 
-    Ava has 3 * 12 = 36 pens.
-    Ben has 25 + 14 = 39 pens.
-    Cora has 40 - 15 = 25 pens.
-    Total: 36 + 39 + 25 = 75 + 25 = 100.
-    #### 100
+    Ava buys 3 bags of 7 pens, so Ava has 3 * 7 = 21 pens.
+    Ben has 25 pens and finds 4 more, so Ben has 25 + 4 = 29 pens.
+    Cora has 30 pens and gives 7 away, so Cora has 30 - 7 = 23 pens.
+    Total: 21 + 29 + 23 = 50 + 23 = 73.
+    #### 73
 
-Numbers stay small so that a ~3M-parameter model can learn them: products are (2-6) x (2-12),
-sums add two numbers of 3-39, differences take 2-19 from 20-60; totals stay below 400.
+Numbers stay small so that a ~3M-parameter model can learn them: products are (2-5) x (2-9), sums
+add 2-9 to 4-29, differences take 2-9 from 12-39; totals stay below 180. (The first version had 3-5
+parts with two-digit operands everywhere; the shipped 3.4M model then got 10% of it, almost every
+error a two-digit sum or difference, so the parts now carry one single-digit operand each.)
 Scoring is exact match on the integer after ``####``.
 
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
-min 64, p10 72, median 105, p90 141, max 146 (queries: median 56, max 74). ``max_new_tokens`` = 192:
+min 95, p10 105, median 137, p90 151, max 157 (queries: median 49, max 57). ``max_new_tokens`` = 224:
 the longest gold response plus ~30%, rounded up to a multiple of 32.
 """
 
@@ -42,17 +44,19 @@ _ANSWER = re.compile(r"####\s*(-?\d+)")
 
 
 def _part(rng: random.Random, name: str, obj: str) -> tuple[str, str, int]:
-    """One sub-computation: (query sentence, response line, value)."""
+    """One sub-computation: (query sentence, response line, value). The line restates the sentence."""
     kind = rng.choice(("mul", "add", "sub"))
     if kind == "mul":
-        a, b = rng.randint(2, 6), rng.randint(2, 12)
-        container = rng.choice(CONTAINERS)
-        return f"{name} buys {a} {container} of {b} {obj}.", f"{name} has {a} * {b} = {a * b} {obj}.", a * b
+        a, b = rng.randint(2, 5), rng.randint(2, 9)
+        sentence = f"{name} buys {a} {rng.choice(CONTAINERS)} of {b} {obj}"
+        return f"{sentence}.", f"{sentence}, so {name} has {a} * {b} = {a * b} {obj}.", a * b
     if kind == "add":
-        a, b = rng.randint(3, 39), rng.randint(3, 39)
-        return f"{name} has {a} {obj} and finds {b} more.", f"{name} has {a} + {b} = {a + b} {obj}.", a + b
-    a, b = rng.randint(20, 60), rng.randint(2, 19)
-    return f"{name} has {a} {obj} and gives {b} away.", f"{name} has {a} - {b} = {a - b} {obj}.", a - b
+        a, b = rng.randint(4, 29), rng.randint(2, 9)
+        sentence = f"{name} has {a} {obj} and finds {b} more"
+        return f"{sentence}.", f"{sentence}, so {name} has {a} + {b} = {a + b} {obj}.", a + b
+    a, b = rng.randint(12, 39), rng.randint(2, 9)
+    sentence = f"{name} has {a} {obj} and gives {b} away"
+    return f"{sentence}.", f"{sentence}, so {name} has {a} - {b} = {a - b} {obj}.", a - b
 
 
 def total_line(values: list[int]) -> str:
@@ -66,12 +70,12 @@ def total_line(values: list[int]) -> str:
 
 class ArithTask(Task):
     name = "arith"
-    max_new_tokens = 192
+    max_new_tokens = 224
     sizes = {"train": 20000, "validation": 200, "test": 200}
 
     def sample(self, rng: random.Random) -> Example:
         obj = rng.choice(OBJECTS)
-        parts = [_part(rng, name, obj) for name in rng.sample(NAMES, rng.randint(3, 5))]
+        parts = [_part(rng, name, obj) for name in rng.sample(NAMES, rng.randint(3, 4))]
         total = sum(value for _, _, value in parts)
         query = " ".join(q for q, _, _ in parts) + f" How many {obj} do they have in total?"
         lines = [line for _, line, _ in parts] + [total_line([v for _, _, v in parts]), f"#### {total}"]

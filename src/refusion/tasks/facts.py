@@ -6,12 +6,16 @@ colour and a famous dish (each from a small shared pool). A question asks for on
 three phrasings and lists four options, the right value and three distractors from the same pool::
 
     Which city is the capital of Dravonia?
-    A. Kelu
-    B. Marotin
-    C. Sabe
-    D. Tovira
+    Kelu (A)
+    Marotin (B)
+    Sabe (C)
+    Tovira (D)
 
-    The capital of Dravonia is Marotin. The answer is B.
+    The capital of Dravonia is Marotin (B). The answer is B.
+
+Each option is written value first, letter after: naming the value and then its letter is a copy of
+what follows the value in the query. (The first version listed ``B. Marotin``; a 3.4M model then stated
+the right fact and picked a wrong letter, since the letter precedes the value it has to find.)
 
 The train split repeats, in shuffled rounds, every fact as a statement ("What is the capital of
 Dravonia?" -> "The capital of Dravonia is Marotin."; its ``answer`` is the value) and as two
@@ -21,7 +25,7 @@ never occur in train.
 The answer is the letter; extraction reads "answer is X", a bare leading letter, or a lone letter.
 
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
-min 7, p10 7, median 12, p90 14, max 17 (queries: median 23, max 41). ``max_new_tokens`` = 32:
+min 8, p10 8, median 15, p90 17, max 19 (queries: median 24, max 41). ``max_new_tokens`` = 32:
 the longest gold response plus ~30%, rounded up to a multiple of 32.
 """
 
@@ -122,8 +126,10 @@ class FactsTask(Task):
         rng.shuffle(options)
         answer = LETTERS[options.index(value)]
         query = "\n".join([rng.choice(attribute.questions).format(e=country)]
-                          + [f"{letter}. {option}" for letter, option in zip(LETTERS, options)])
-        response = f"{self.statement(country, attribute)} The answer is {answer}."
+                          + [f"{option} ({letter})" for letter, option in zip(LETTERS, options)])
+        statement = self.statement(country, attribute)
+        value_at = statement.rindex(value) + len(value)  # the letter follows the value, as in the options
+        response = f"{statement[:value_at]} ({answer}){statement[value_at:]} The answer is {answer}."
         return Example(self.name, query, response, answer, {"country": country, "attribute": attribute.name})
 
     def sample(self, rng: random.Random) -> Example:
