@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from refusion.core.registry import set_registry
 from refusion.models.backend import Backbone
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("REFUSION_TEST_THREADS", "2")))  # 1 beside a training run
 
 # Hypothesis profiles: `ci` (fast, derandomized; the default) and `thorough` (>= 1000 examples per
 # property): HYPOTHESIS_PROFILE=thorough python -m pytest -m property  (see docs/reliability.md)

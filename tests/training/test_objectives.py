@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DynamicCache, PreTrainedTokenizerFast
@@ -91,9 +91,16 @@ def layouts(draw):
     return prompt, response, k, masked, list(order)
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.property
 @given(layouts())
 def test_refusion_layout_invariants(case):
+    """For any prompt, response length, slot size, slot mask and order of the clean slots, the layout
+    is the reference's: the prompt first and unlabelled; every response token appears exactly once
+    (as an input or as a masked label); position ids are a permutation of the original positions;
+    clean slots come first in the given order, each contiguous with its own positions and labelled with
+    the next token of the same slot (its last token ignored); masked slots follow in original order,
+    labelled with the token at their own position. This is what lets one causal forward train the
+    next-token and the masked-slot predictions of the decoder at once (refusion-algorithm.md)."""
     prompt, response, k, masked, order = case
     lay = refusion_layout(prompt, response, k, masked, order, MASK)
     P, R = len(prompt), len(response)

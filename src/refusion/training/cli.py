@@ -62,6 +62,7 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--pretrain-steps", type=int, default=None, help="recipe: AR pretraining steps (P)")
     p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
+    p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train, _parser=p)
 
@@ -95,7 +96,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.batch_size:
             kw["batch_size"] = args.batch_size
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
-                   threads=args.threads, progress=not args.no_progress, seed=args.seed, **kw)
+                   threads=args.threads, progress=not args.no_progress, seed=args.seed, jobs=args.jobs, **kw)
         return 0
     if not args.objective:
         _error(args, "--objective is required (or use --recipe tiny)")

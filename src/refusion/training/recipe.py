@@ -82,8 +82,12 @@ def run_recipe(
     progress: bool = True,
     group_by_length: int = GROUP_BY_LENGTH,
     train_limit: int | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
-    """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``."""
+    """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
+
+    ``jobs > 1`` runs the fine-tunes still to do in that many worker processes of one torch thread each
+    (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -169,6 +173,10 @@ def run_recipe(
     save_summary()
 
     # 3. fine-tuning --------------------------------------------------------------------------
+    todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None]
+    if jobs > 1 and len(todo) > 1:
+        log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/job-*.log)")
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size)
     for name in objectives:
         stage = f"finetune-{name}"
         done = _stage_done(work / stage)
@@ -186,6 +194,38 @@ def run_recipe(
     save_summary()
     log(f"all stages done; summary in {out / SUMMARY_FILE}")
     return summary
+
+
+def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
+                      batch_size: int, seed: int, train_limit: int | None, size: str = "tiny") -> None:
+    """Fine-tune ``objectives`` in ``jobs`` child recipes (1 thread each) on the finished pretraining.
+
+    On a small CPU one torch process with 2 threads gains little over 1 thread for a 3M model, while
+    two 1-thread processes use both cores fully; a process with more threads than free cores slows
+    down several-fold (spin-waiting), so each worker gets exactly one. Objectives are dealt out
+    round-robin in the given order; each worker writes its stages' ``stage.json`` as the sequential
+    recipe does, and the parent then collects them. Raises if a worker fails (see its log)."""
+    import subprocess
+
+    groups = [list(objectives[i::jobs]) for i in range(min(jobs, len(objectives)))]
+    procs = []
+    for i, group in enumerate(groups):
+        cmd = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", ",".join(group),
+               "--size", size,
+               "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
+               "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--no-progress"]
+        if train_limit is not None:
+            cmd += ["--train-limit", str(train_limit)]
+        log_file = open(out / "work" / f"job-{i}.log", "a")
+        procs.append((group, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"}), log_file))
+    failed = []
+    for group, proc, log_file in procs:
+        if proc.wait() != 0:
+            failed.append(f"{','.join(group)} (exit {proc.returncode}, log {log_file.name})")
+        log_file.close()
+    if failed:
+        raise RuntimeError("fine-tune worker(s) failed: " + "; ".join(failed))
 
 
 def report(out: str | os.PathLike) -> str:
@@ -211,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=None)
     p.add_argument("--finetune-steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=1, help="fine-tune in this many 1-thread worker processes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
     p.add_argument("--no-progress", action="store_true")
@@ -221,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         print(report(a.out), end="")
         return 0
-    run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size,
+    run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
-               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit)
+               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs)
     return 0
 
 

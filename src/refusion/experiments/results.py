@@ -1,0 +1,281 @@
+"""``refusion results``: every shipped ablation in one run, and ``docs/results.md`` written from it.
+
+Runs each ablation config of ``experiments/configs/`` (all but the validation-split tuning grid) with
+the same engine as ``refusion ablate`` into ``OUT/<name>/`` (resumable: ``--resume`` skips finished
+samples), times each, copies its plots next to the document and writes one markdown page: the command,
+the machine, per ablation its table, figures, the paper's own finding beside it and a verdict.
+
+Verdicts are rules over the measured rows, never typed by hand, so a rerun rewrites them:
+
+* ``holds``: the paper's claim is true of the numbers on every task measured;
+* ``does not hold``: it is false on every task;
+* ``mixed``: true on some tasks only (each task's outcome is listed);
+* ``cannot be tested here``: a run the claim needs is missing (for example no model for the decoder).
+
+"Same accuracy" always means within noise: two binomial standard errors of the pooled accuracy of the
+two runs compared on that task, and at least 2 points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, run_ablation
+
+ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
+         "variants")
+Rows = list[dict[str, Any]]
+Outcome = tuple[bool, str]  # (claim true on this task, the numbers that decided it)
+
+
+def noise(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Two binomial standard errors of the pooled accuracy of rows ``a`` and ``b`` (at least 0.02)."""
+    n = a["n"] + b["n"]
+    p = (a["accuracy"] * a["n"] + b["accuracy"] * b["n"]) / n
+    return max(0.02, 2 * math.sqrt(p * (1 - p) * (1 / a["n"] + 1 / b["n"])))
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.0f}%"
+
+
+def _by_task(rows: Rows) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["task"], {})[r["run"]] = r
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# per-task tests of the paper's claims: each returns (holds on this task, the deciding numbers)
+# --------------------------------------------------------------------------------------------------
+def kv_reuse_faster_and_as_accurate(runs: dict[str, dict]) -> Outcome:
+    c, r = runs["kv_concat"], runs["kv_recompute"]
+    ratio = c["tokens_per_second"] / r["tokens_per_second"]
+    same = c["accuracy"] >= r["accuracy"] - noise(c, r)
+    return ratio > 1 and same, f"reuse {ratio:.2f}x the tokens/s of recompute, accuracy {_pct(c['accuracy'])} vs {_pct(r['accuracy'])}"
+
+
+def scorers_comparable(runs: dict[str, dict]) -> Outcome:
+    names = [n for n in ("first_token_prob", "mean_prob", "mean_neg_entropy") if n in runs]
+    accs = {n: runs[n]["accuracy"] for n in names}
+    hi, lo = max(accs, key=accs.get), min(accs, key=accs.get)
+    ok = accs[hi] - accs[lo] <= noise(runs[hi], runs[lo])
+    return ok, ", ".join(f"{n} {_pct(a)}" for n, a in accs.items())
+
+
+def _swept(runs: dict[str, dict], key: str) -> list[dict]:
+    return sorted((r for r in runs.values() if r.get(key) is not None), key=lambda r: r[key])
+
+
+def higher_slot_threshold_more_accurate(runs: dict[str, dict]) -> Outcome:
+    pts = _swept(runs, "selector.slot_threshold")
+    lo, hi = pts[0], pts[-1]
+    ok = hi["accuracy"] >= lo["accuracy"] - noise(lo, hi)
+    return ok, (f"slot_threshold {lo['selector.slot_threshold']:g}: {_pct(lo['accuracy'])} (TPF {lo['tpf']:.2f}); "
+                f"{hi['selector.slot_threshold']:g}: {_pct(hi['accuracy'])} (TPF {hi['tpf']:.2f})")
+
+
+def higher_token_threshold_slower(runs: dict[str, dict]) -> Outcome:
+    pts = _swept(runs, "verifier.token_threshold")
+    lo, hi = pts[0], pts[-1]
+    return hi["tpf"] < lo["tpf"], (f"token_threshold {lo['verifier.token_threshold']:g}: TPF {lo['tpf']:.2f}, "
+                                   f"{_pct(lo['accuracy'])}; {hi['verifier.token_threshold']:g}: TPF {hi['tpf']:.2f}, "
+                                   f"{_pct(hi['accuracy'])}")
+
+
+def larger_slots_not_worse(runs: dict[str, dict]) -> Outcome:
+    pts = _swept(runs, "slot_size")
+    best_small = max((r for r in pts if r["slot_size"] <= 4), key=lambda r: r["accuracy"])
+    big = [r for r in pts if r["slot_size"] >= 8]
+    top = max(big, key=lambda r: (r["accuracy"], r["tpf"]))
+    ok = top["accuracy"] >= best_small["accuracy"] - noise(top, best_small) and top["tpf"] >= best_small["tpf"]
+    return ok, (f"best of k<=4: k={best_small['slot_size']} {_pct(best_small['accuracy'])} TPF {best_small['tpf']:.2f}; "
+                f"best of k>=8: k={top['slot_size']} {_pct(top['accuracy'])} TPF {top['tpf']:.2f}")
+
+
+def block_size_robust(runs: dict[str, dict]) -> Outcome:
+    pts = _swept(runs, "serial_blocks")
+    hi, lo = max(pts, key=lambda r: r["accuracy"]), min(pts, key=lambda r: r["accuracy"])
+    ok = hi["accuracy"] - lo["accuracy"] <= noise(hi, lo)
+    return ok, ", ".join(f"{r['serial_blocks']} blocks {_pct(r['accuracy'])} (TPF {r['tpf']:.2f})" for r in pts)
+
+
+def _drop(runs: dict[str, dict], decoder: str) -> tuple[float, float, str] | None:
+    """Accuracy lost per unit of TPF gained from the slowest to the fastest setting of ``decoder``."""
+    pts = sorted((r for r in runs.values() if r["decoder"] == decoder), key=lambda r: r["tpf"])
+    if len(pts) < 2 or pts[-1]["tpf"] <= pts[0]["tpf"]:
+        return None
+    lo, hi = pts[0], pts[-1]
+    slope = (lo["accuracy"] - hi["accuracy"]) / (hi["tpf"] - lo["tpf"])
+    return slope, hi["accuracy"], f"{decoder} TPF {lo['tpf']:.2f}->{hi['tpf']:.2f}: {_pct(lo['accuracy'])}->{_pct(hi['accuracy'])}"
+
+
+def refusion_flatter_than_llada(runs: dict[str, dict]) -> Outcome:
+    ref, lla = _drop(runs, "refusion"), _drop(runs, "llada")
+    if ref is None or lla is None:
+        raise LookupError("needs at least two refusion and two llada settings of different TPF")
+    return ref[0] < lla[0], f"{ref[2]}; {lla[2]}"
+
+
+def any_order_faster_than_left_to_right(runs: dict[str, dict]) -> Outcome:
+    p, l2r = runs["plain"], runs["left_to_right"]
+    ratio = p["tokens_per_second"] / l2r["tokens_per_second"]
+    ok = ratio > 1 and p["accuracy"] >= l2r["accuracy"] - noise(p, l2r)
+    return ok, f"any-order {ratio:.2f}x the tokens/s of left-to-right, accuracy {_pct(p['accuracy'])} vs {_pct(l2r['accuracy'])}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    ablation: str
+    paper: str  # what the paper reports, with its numbers
+    claim: str  # the statement tested here
+    test: Callable[[dict[str, dict]], Outcome]
+
+
+CLAIMS = (
+    Claim("kv_cache", "Table 8 (App. C.3): KV reuse is 1.16-1.33x faster than recomputing the KV for full "
+          "context, with stable and on several benchmarks slightly better accuracy.",
+          "kv_concat is faster than kv_recompute and as accurate", kv_reuse_faster_and_as_accurate),
+    Claim("scorers", "Table 7 (App. C.2): first-token probability, mean slot probability and mean slot entropy "
+          "give highly comparable performance; first-token is the default as the cheapest.",
+          "the three scorers' accuracies agree within noise", scorers_comparable),
+    Claim("slot_threshold", "Figure 4 (§5.4): a higher slot threshold improves performance; its effect on "
+          "throughput is non-monotonic; sweet spot 0.5-1.0.",
+          "the highest slot threshold is at least as accurate as the lowest", higher_slot_threshold_more_accurate),
+    Claim("token_threshold", "Figure 4 (§5.4): a higher token threshold lowers throughput; sweet spot 0.1-0.9.",
+          "the highest token threshold has a lower TPF than the lowest", higher_token_threshold_slower),
+    Claim("slot_size", "Figure 4 (§5.4): a larger slot size can improve both performance and speed; sweet spot "
+          "k in {8, 32}.",
+          "the best slot size >= 8 is as accurate and at least as parallel as the best <= 4", larger_slots_not_worse),
+    Claim("serial_blocks", "App. C.7 / Figure 9: block sizes 32-128 are a sweet spot; from 32 to 512 pass@1 "
+          "drops only ~0.2% relative to its peak.",
+          "accuracy agrees within noise across serial block counts", block_size_robust),
+    Claim("frontier", "Figure 7 (App. C.4): as tokens per forward grow, LLaDA's and Dream's accuracy falls "
+          "sharply while ReFusion's curve is much flatter.",
+          "ReFusion loses less accuracy per unit of TPF gained than the LLaDA-style decoder",
+          refusion_flatter_than_llada),
+    Claim("variants", "Figure 1: ReFusion with any-order slots is faster than the same model forced left to "
+          "right. (Sub-slot remasking, adaptive split and fused scheduling are ours; the paper has no numbers.)",
+          "any-order slots are faster than left-to-right and as accurate", any_order_faster_than_left_to_right),
+)
+
+
+def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
+    """``(verdict, per-task lines)`` of ``claim`` over an ablation's summary rows."""
+    outcomes: list[tuple[str, bool, str]] = []
+    for task, runs in sorted(_by_task(rows).items()):
+        try:
+            ok, why = claim.test(runs)
+        except (KeyError, LookupError, ValueError, ZeroDivisionError) as e:
+            return "cannot be tested here", [f"{task}: missing {e}"]
+        outcomes.append((task, ok, why))
+    if not outcomes:
+        return "cannot be tested here", ["no results"]
+    n_ok = sum(ok for _, ok, _ in outcomes)
+    word = "holds" if n_ok == len(outcomes) else "does not hold" if n_ok == 0 else "mixed"
+    return word, [f"{task}: {'yes' if ok else 'no'} ({why})" for task, ok, why in outcomes]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, float], command: str) -> str:
+    """Write ``doc`` from ``OUT/<name>/results.json`` and plots; return its text."""
+    from refusion.experiments.runner import markdown_table
+
+    fig_dir = doc.parent / doc.stem
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    claims = {c.ablation: c for c in CLAIMS}
+    lines = ["# Results: the paper's analyses on the tiny models", "",
+             f"Generated by `{command}` (`src/refusion/experiments/results.py`); do not edit by hand.", "",
+             f"- Machine: {machine()}.",
+             f"- Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; models: the shipped `tiny-*` "
+             "checkpoints; split: test; decoder settings: `configs/bench.yaml` plus each run's overrides.",
+             "- Accuracy differences are judged against noise: two binomial standard errors of the pooled "
+             "accuracy of the two runs compared (at least 2 points). Speeds are tokens/s measured side by side "
+             "in one run (samples interleaved), TPF = generated tokens / forward calls.", "",
+             "| analysis | paper | verdict | run time |", "|---|---|---|---|"]
+    sections, summary = [], []
+    for name in names:
+        rows = json.loads((out / name / "results.json").read_text())
+        cfg = load_ablation(name + ".yaml")
+        claim = claims.get(name)
+        word, why = verdict(claim, rows) if claim else ("(no claim)", [])
+        summary.append(f"| [{cfg.title or name}](#{name}) | {claim.paper.split(':')[0] if claim else ''} | "
+                       f"**{word}** | {timings.get(name, 0) / 60:.1f} min |")
+        extra = list(cfg.grid.axes) if cfg.grid else []
+        sec = [f'<a id="{name}"></a>', f"## {cfg.title or name}", "",
+               f"`refusion ablate {name}.yaml` ({cfg.split} split, {rows[0]['n'] if rows else 0} samples per task"
+               f"{f', speed-up over `{cfg.baseline}`' if cfg.baseline else ''}; {timings.get(name, 0) / 60:.1f} min).", ""]
+        if claim:
+            sec += [f"**Paper.** {claim.paper}", "", f"**Tested here.** {claim.claim}: **{word}**.", ""]
+            sec += [f"- {w}" for w in why] + [""]
+        sec += [markdown_table(rows, extra), ""]
+        for png in sorted((out / name).glob(f"{name}_*.png")):
+            for f in (png, png.with_suffix(".svg")):
+                if f.exists():
+                    shutil.copyfile(f, fig_dir / f.name)
+            sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]
+        sections.append("\n".join(sec))
+    text = "\n".join(lines + summary + [""] + sections)
+    doc.write_text(text)
+    return text
+
+
+def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | None = None, resume: bool = False,
+            device: str = "cpu", command: str = "refusion results") -> str:
+    names = names or [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
+    timing_file = out / "timings.json"
+    timings: dict[str, float] = json.loads(timing_file.read_text()) if resume and timing_file.exists() else {}
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        t0 = time.perf_counter()
+        run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, device=device)
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its share
+        timing_file.write_text(json.dumps(timings, indent=1))
+    return write_document(out, doc, names, timings, command)
+
+
+def add_results_command(sub) -> None:
+    p = sub.add_parser("results", help="run every shipped ablation and write docs/results.md from it")
+    p.add_argument("--out", default="runs/results", help="output folder (one subfolder per ablation)")
+    p.add_argument("--doc", default="docs/results.md", help="the markdown page to write (figures beside it)")
+    p.add_argument("--only", help="comma-separated ablation names (default: all of " + ", ".join(ORDER) + ")")
+    p.add_argument("--limit", type=int, help="samples per task for every ablation (default: each file's limit)")
+    p.add_argument("--resume", action="store_true", help="continue in --out, skipping finished samples")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_results)
+
+
+def cmd_results(a) -> int:
+    from refusion.core.config import ConfigError
+
+    names = a.only.split(",") if a.only else None
+    unknown = [n for n in names or [] if n not in ORDER]
+    if unknown:
+        raise ConfigError(f"--only: unknown ablation(s) {unknown}; allowed: {', '.join(ORDER)}")
+    command = "refusion results" + (f" --limit {a.limit}" if a.limit else "") + (f" --only {a.only}" if a.only else "")
+    run_all(Path(a.out), Path(a.doc), names, a.limit, a.resume, a.device, command)
+    print(f"wrote {a.doc} (figures in {Path(a.doc).parent / Path(a.doc).stem}/) from {a.out}")
+    return 0

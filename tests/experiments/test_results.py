@@ -1,0 +1,72 @@
+"""`refusion results`: verdict rules over summary rows, and the document written from results folders."""
+
+import json
+
+import pytest
+
+from refusion.experiments import results
+from refusion.experiments.results import CLAIMS, noise, verdict, write_document
+
+CLAIM = {c.ablation: c for c in CLAIMS}
+
+
+def row(task, run, acc, tps=10.0, tpf=1.0, n=50, decoder="refusion", **params):
+    return {"task": task, "run": run, "decoder": decoder, "n": n, "accuracy": acc, "tokens_per_second": tps,
+            "tpf": tpf, "nfe_mean": 1.0, "latency_s_mean": 1.0, "speedup": None, **params}
+
+
+def test_noise_is_two_standard_errors_with_a_floor():
+    assert noise(row("t", "a", 0.5, n=50), row("t", "b", 0.5, n=50)) == pytest.approx(2 * (0.25 * 2 / 50) ** 0.5)
+    assert noise(row("t", "a", 1.0), row("t", "b", 1.0)) == 0.02
+
+
+def test_kv_cache_verdicts_per_task():
+    rows = [row("arith", "kv_concat", 0.90, tps=12), row("arith", "kv_recompute", 0.92, tps=10),
+            row("code", "kv_concat", 0.50, tps=12), row("code", "kv_recompute", 0.90, tps=10)]
+    word, why = verdict(CLAIM["kv_cache"], rows)
+    assert word == "mixed"
+    assert why[0].startswith("arith: yes (reuse 1.20x") and why[1].startswith("code: no")
+    assert verdict(CLAIM["kv_cache"], rows[:2])[0] == "holds"
+    slower = [row("arith", "kv_concat", 0.9, tps=9), row("arith", "kv_recompute", 0.9, tps=10)]
+    assert verdict(CLAIM["kv_cache"], slower)[0] == "does not hold"
+
+
+def test_missing_run_cannot_be_tested():
+    word, why = verdict(CLAIM["kv_cache"], [row("arith", "kv_concat", 0.9)])
+    assert word == "cannot be tested here" and "kv_recompute" in why[0]
+    assert verdict(CLAIM["frontier"], [row("arith", "ar", 0.9, decoder="ar")])[0] == "cannot be tested here"
+
+
+def test_sweep_claims_read_the_swept_key():
+    key = "verifier.token_threshold"
+    rows = [row("arith", f"t{v}", 0.9, tpf=t, **{key: v}) for v, t in ((0.1, 3.0), (0.5, 2.0), (0.9, 1.2))]
+    assert verdict(CLAIM["token_threshold"], rows)[0] == "holds"
+    rows[-1]["tpf"] = 3.5
+    assert verdict(CLAIM["token_threshold"], rows)[0] == "does not hold"
+    blocks = [row("code", f"b{b}", a, serial_blocks=b) for b, a in ((1, 0.80), (2, 0.82), (4, 0.40))]
+    word, why = verdict(CLAIM["serial_blocks"], blocks)
+    assert word == "does not hold" and "4 blocks 40%" in why[0]
+
+
+def test_frontier_compares_accuracy_lost_per_tpf():
+    rows = [row("arith", "r1", 0.90, tpf=1.5), row("arith", "r2", 0.88, tpf=3.0),
+            row("arith", "l1", 0.80, tpf=1.0, decoder="llada"), row("arith", "l2", 0.40, tpf=2.0, decoder="llada")]
+    assert verdict(CLAIM["frontier"], rows)[0] == "holds"
+
+
+def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "machine", lambda: "test box")
+    out = tmp_path / "runs"
+    (out / "kv_cache").mkdir(parents=True)
+    rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
+    (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
+    (out / "kv_cache" / "kv_cache_0.png").write_bytes(b"png")
+    (out / "kv_cache" / "kv_cache_0.svg").write_text("<svg/>")
+    doc = tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    text = write_document(out, doc, ["kv_cache"], {"kv_cache": 90.0}, "refusion results --only kv_cache")
+    assert doc.read_text() == text
+    assert "`refusion results --only kv_cache`" in text and "test box" in text
+    assert "**holds**" in text and "1.5 min" in text and "Table 8" in text
+    assert "![kv_cache_0](results/kv_cache_0.png)" in text
+    assert (tmp_path / "docs" / "results" / "kv_cache_0.svg").exists()

@@ -1,0 +1,24 @@
+"""The controlled recipe: stages run once, fine-tunes share the pretrained base, workers in parallel."""
+
+import json
+
+from refusion.training.recipe import SUMMARY_FILE, report, run_recipe
+
+
+def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
+    out = tmp_path / "recipe"
+    kw = dict(pretrain_steps=2, finetune_steps=1, batch_size=4, size="micro", objectives=("refusion", "ar"),
+              threads=1, progress=False, train_limit=48, jobs=2)
+    summary = run_recipe(out, **kw)
+    stages = summary["stages"]
+    assert list(stages) == ["tokenizer", "pretrain", "finetune-refusion", "finetune-ar"]
+    assert [stages[s]["steps"] for s in ("pretrain", "finetune-refusion", "finetune-ar")] == [2, 1, 1]
+    assert "masked_acc" in stages["finetune-refusion"]["eval"]  # diffusion objectives report masked accuracy
+    for name in ("micro-base", "micro-refusion", "micro-ar"):
+        assert (out / name / "model.safetensors").is_file() and (out / name / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (out / "work").glob("job-*.log")) == ["job-0.log", "job-1.log"]
+    assert json.loads((out / SUMMARY_FILE).read_text())["stages"].keys() == stages.keys()
+    again = run_recipe(out, **kw)  # everything done: nothing retrains, same stage results
+    assert again["stages"] == stages
+    table = report(out)
+    assert "| finetune-refusion | refusion | 1 |" in table and "| pretrain | ar | 2 |" in table
