@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from refusion.training.objective import Batch, Objective, Pair
-from refusion.training.trainer import LOG_FILE, TrainConfig, _Sampler, lr_lambda
+from refusion.training.trainer import LOG_FILE, TrainConfig, _Sampler, build_optimizer, lr_lambda, validation_batch
 
 ACCEL_STATE_DIR = "accelerate_state"
 NOISE_SEED_STRIDE = 1_000_003
@@ -103,15 +103,7 @@ class DistributedTrainer:
         self.data_gen = torch.Generator().manual_seed(config.seed)
         self.noise_gen = torch.Generator().manual_seed(config.seed + 1 + self.rank * NOISE_SEED_STRIDE)
         self.sampler = _Sampler(len(train_pairs), self.data_gen)
-        decay, no_decay = [], []
-        for _, p in model.named_parameters():
-            if p.requires_grad:
-                (no_decay if p.dim() < 2 else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr, betas=tuple(config.betas),
-        )
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.model, self.optimizer = acc.prepare(model, build_optimizer(model, config))
         # FSDP may replace the parameters: the schedule is built on the prepared optimizer, stepped by us
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer if hasattr(self.optimizer, "optimizer")
                                                            else self.optimizer, lr_lambda(config))
@@ -159,8 +151,7 @@ class DistributedTrainer:
         if not self.val_pairs:
             return {}
         if self._val_batch is None:
-            gen = torch.Generator().manual_seed(self.config.seed + 12345)
-            self._val_batch = self.objective.make_batch(self.val_pairs[: self.config.eval_batch_size], gen)
+            self._val_batch = validation_batch(self.objective, self.val_pairs, self.config)
         self.model.eval()
         with torch.no_grad(), self.accelerator.autocast():
             _, metrics = self.objective.loss(self.model, self._val_batch.to(self.accelerator.device))

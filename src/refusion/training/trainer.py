@@ -170,6 +170,24 @@ def input_length(objective: Objective, pair: Pair) -> int:
     return p + r
 
 
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (no decay for norms and biases)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=tuple(config.betas),
+    )
+
+
+def validation_batch(objective: Objective, val_pairs: list[Pair], config: TrainConfig) -> Batch:
+    """The fixed validation batch: the first ``eval_batch_size`` pairs with a fixed noise seed."""
+    gen = torch.Generator().manual_seed(config.seed + 12345)
+    return objective.make_batch(val_pairs[: config.eval_batch_size], gen)
+
+
 class Trainer:
     """Train ``model`` with ``objective`` on ``train_pairs``; see the module docstring for outputs."""
 
@@ -206,15 +224,7 @@ class Trainer:
         self.data_gen = torch.Generator().manual_seed(config.seed)
         self.noise_gen = torch.Generator().manual_seed(config.seed + 1)
         self.sampler = _Sampler(len(train_pairs), self.data_gen, config.group_by_length)
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            (no_decay if p.dim() < 2 else decay).append(p)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr, betas=tuple(config.betas),
-        )
+        self.optimizer = build_optimizer(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self._lengths = [input_length(objective, p) for p in train_pairs]
         self._val_batch: Batch | None = None
@@ -295,8 +305,7 @@ class Trainer:
         if not self.val_pairs:
             return {}
         if self._val_batch is None:
-            gen = torch.Generator().manual_seed(self.config.seed + 12345)
-            self._val_batch = self.objective.make_batch(self.val_pairs[: self.config.eval_batch_size], gen)
+            self._val_batch = validation_batch(self.objective, self.val_pairs, self.config)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
