@@ -24,7 +24,8 @@ def test_questions_have_four_options_and_one_gold_letter(task):
     for example in task.examples("test") + task.examples("validation"):
         question, *options = example.query.split("\n")
         assert [o[-4:] for o in options] == [f" ({letter})" for letter in LETTERS]
-        values = [o[:-4] for o in options]
+        assert all(o.startswith("- ") for o in options)
+        values = [o[2:-4] for o in options]
         gold = task.facts[example.meta["country"]][example.meta["attribute"]]
         assert len(set(values)) == 4 and values[LETTERS.index(example.answer)] == gold
         assert all(v in task.pools[example.meta["attribute"]] for v in values)

@@ -1,8 +1,11 @@
 """``arith``: word problems made of 3-4 independent sub-computations and a final sum.
 
-Each person in the story gets some objects by one small operation, stated in the query::
+Each person in the story gets some objects by one small operation, stated on its own line of the query
+(so that a sentence and its restatement in the answer start with the same token)::
 
-    Ava buys 3 bags of 7 pens. Ben has 25 pens and finds 4 more. Cora has 30 pens and gives 7 away.
+    Ava buys 3 bags of 7 pens.
+    Ben has 25 pens and finds 4 more.
+    Cora has 30 pens and gives 7 away.
     How many pens do they have in total?
 
 The response restates each part and works it out on its own line, then adds the results two at a time::
@@ -77,7 +80,7 @@ class ArithTask(Task):
         obj = rng.choice(OBJECTS)
         parts = [_part(rng, name, obj) for name in rng.sample(NAMES, rng.randint(3, 4))]
         total = sum(value for _, _, value in parts)
-        query = " ".join(q for q, _, _ in parts) + f" How many {obj} do they have in total?"
+        query = "\n".join([q for q, _, _ in parts] + [f"How many {obj} do they have in total?"])
         lines = [line for _, line, _ in parts] + [total_line([v for _, _, v in parts]), f"#### {total}"]
         return Example(self.name, query, "\n".join(lines), str(total), {})
 

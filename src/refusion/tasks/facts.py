@@ -6,16 +6,18 @@ colour and a famous dish (each from a small shared pool). A question asks for on
 three phrasings and lists four options, the right value and three distractors from the same pool::
 
     Which city is the capital of Dravonia?
-    Kelu (A)
-    Marotin (B)
-    Sabe (C)
-    Tovira (D)
+    - Kelu (A)
+    - Marotin (B)
+    - Sabe (C)
+    - Tovira (D)
 
     The capital of Dravonia is Marotin (B). The answer is B.
 
-Each option is written value first, letter after: naming the value and then its letter is a copy of
-what follows the value in the query. (The first version listed ``B. Marotin``; a 3.4M model then stated
-the right fact and picked a wrong letter, since the letter precedes the value it has to find.)
+Each option is written value first, letter after, after "- " so that the value is the same tokens as
+in the answer sentence (a word at the start of a line and the same word after a space are different
+BPE tokens): naming the value and then its letter is a copy of what follows the value in the query.
+(The first version listed ``B. Marotin``; a 3.4M model then stated the right fact and picked a wrong
+letter, since the letter precedes the value it has to find.)
 
 The train split repeats, in shuffled rounds, every fact as a statement ("What is the capital of
 Dravonia?" -> "The capital of Dravonia is Marotin."; its ``answer`` is the value) and as two
@@ -126,7 +128,7 @@ class FactsTask(Task):
         rng.shuffle(options)
         answer = LETTERS[options.index(value)]
         query = "\n".join([rng.choice(attribute.questions).format(e=country)]
-                          + [f"{option} ({letter})" for letter, option in zip(LETTERS, options)])
+                          + [f"- {option} ({letter})" for letter, option in zip(LETTERS, options)])
         statement = self.statement(country, attribute)
         value_at = statement.rindex(value) + len(value)  # the letter follows the value, as in the options
         response = f"{statement[:value_at]} ({answer}){statement[value_at:]} The answer is {answer}."
