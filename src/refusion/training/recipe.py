@@ -17,21 +17,15 @@ Training logs and resumable states live in ``OUT/work/<stage>/``; the ``tiny-*``
 Hugging Face folders (bf16 safetensors + tokenizer) ready to copy into ``src/refusion/checkpoints/``.
 To redo a stage, delete ``OUT/work/<stage>`` and its output folder.
 
-How P and F were chosen (defaults below). Budget: about 75-90 minutes on this machine's 2 cores.
-Measured on tinybench train (47,200 pairs; mean prompt 51 + response 73 tokens incl. EOS = 124
-tokens, longest 221) with batch 32 and length-grouped batches (pools of 64 batches sorted by
-length: padding drops to a few %): on a quiet machine ``ar``, ``refusion`` and ``mdm`` train at
-~4.0-4.1k tokens/s (forward + backward + AdamW, fp32, 2 threads; the notes say 3.7k), i.e. ~4.0k
-tokens and ~1.1 s per step at the planning figure of 3.7k tokens/s; ``block`` steps also carry the
-clean copy of the response (mean 196 tokens per example, ~6.3k per step) and take ~1.7 s. Evaluation
-(128 validation examples, 5 times per stage) and state saving (every 100 steps) add ~1%.
-So ``total ≈ 1.1 P + (3 x 1.1 + 1.7) F`` seconds plus ~1.5 min for the tokenizer and tokenising.
-P = 1800 (~33 min, 1.2 epochs; the notes report that a 3.2M model learns multi-step arithmetic CoT
-to >90% in ~9 min of next-token training, and the hybrid objective learns slowly from scratch, so
-pretraining gets the larger share) and F = 600 (~11 min for each of refusion / ar / mdm, ~17 min for
-block; 19,200 examples = 0.4 epoch each) give ~84 min. CPU contention from other processes on the
-2 cores stretches this (measured 2-6x slower steps while test suites ran alongside). Override with
-``--pretrain-steps`` / ``--finetune-steps`` (or the ``run_recipe`` arguments).
+How P and F were chosen (defaults below). Measured on tinybench train (47,200 pairs; arith answers
+95-157 tokens) with batch 32 and length-grouped batches (pools of 64 batches sorted by length) on this
+machine's 2 cores, fp32: a pretraining step takes ~1.25 s with 2 threads on a quiet machine, and
+several times longer when another process competes for the cores (a 2-thread process on one free
+core spin-waits: 3-7 s per step was measured). The first recipe (P = 1800, F = 600) left
+``tiny-refusion`` at 0.41 masked accuracy, so its decoding fell back to Stage II-b; fine-tuning now
+gets F = 800 steps per objective and pretraining P = 1500 (~31 min). With ``--jobs 2`` the four
+fine-tunes run two at a time in 1-thread workers (``block`` steps carry the clean copy of the
+response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
 """
 
 from __future__ import annotations
@@ -46,8 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
-DEFAULT_PRETRAIN_STEPS = 1800
-DEFAULT_FINETUNE_STEPS = 600
+DEFAULT_PRETRAIN_STEPS = 1500
+DEFAULT_FINETUNE_STEPS = 800
 DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
