@@ -25,7 +25,10 @@ core spin-waits: 3-7 s per step was measured). The first recipe (P = 1800, F = 6
 ``tiny-refusion`` at 0.41 masked accuracy, so its decoding fell back to Stage II-b; fine-tuning now
 gets F = 800 steps per objective and pretraining P = 1500 (~31 min). With ``--jobs 2`` the four
 fine-tunes run two at a time in 1-thread workers (``block`` steps carry the clean copy of the
-response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
+response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``. The shipped
+``tiny-mdm`` and ``tiny-block`` were fine-tuned for 400 steps only (``--objectives mdm`` / ``block``
+``--finetune-steps 400``), because the session that trained them ran out of CPU time; docs/training.md
+says so beside their numbers.
 """
 
 from __future__ import annotations
