@@ -2,6 +2,7 @@
 adaptive (split) slots, alternative scorers."""
 
 import pytest
+import torch
 from helpers import ban_token, force_token
 
 from refusion.core.config import build_decoder
@@ -86,3 +87,23 @@ def test_scorers_with_mixed_slot_sizes(backbone, scorer):
               verifier={"token_threshold": 0.5}, remasker={"name": "sub_slot", "threshold": 0.5})
     assert len(res.token_ids) == 32
     assert_sound(res, backbone)
+
+
+def test_correct_makes_stage_IIb_autoregressive(backbone):
+    """With one slot at a time (left to right) and every draft failing verification, ``correct`` turns
+    Stage II-b into greedy AR decoding: every token but a slot's first (its Stage-I draft, always
+    accepted) is the argmax of a causal forward over everything before it."""
+    ban_token(backbone.model, backbone.eos_id)
+    cfg = {"selector": {"name": "left_to_right"}, "verifier": {"token_threshold": 1.0}}
+    res = run(backbone, correct=True, **cfg)
+    assert_sound(res, backbone)
+    assert set(t.stage for t in res.trace) == {"II-b"} and len(res.token_ids) == 32
+    P, not_first = len(PROMPT), torch.arange(32) % 4 != 0
+
+    def is_greedy(token_ids):
+        full = torch.tensor(PROMPT + token_ids)
+        greedy = backbone.forward(full, torch.arange(len(full)), None)[0].argmax(-1)  # [T] next-token argmax
+        return torch.equal(torch.tensor(token_ids)[not_first], greedy[P - 1 : -1][not_first])
+
+    assert is_greedy(res.token_ids)
+    assert not is_greedy(run(backbone, **cfg).token_ids)  # the reference rule keeps masked predictions

@@ -73,3 +73,17 @@ def test_tinybench_tokenizer_is_deterministic_and_fits_the_budgets():
     for task in TASKS.values():
         responses = [e.response for split in ("train", "validation", "test") for e in task.examples(split)]
         assert max(len(ids) for ids in first(responses)["input_ids"]) <= task.max_new_tokens, task.name
+
+
+def test_whole_tokens_are_one_token_each_and_keep_the_vocabulary_size():
+    from refusion.tasks.facts import OPTION_MARKERS
+
+    tok = train_tokenizer(_texts(100), vocab_size=512, whole_tokens=OPTION_MARKERS)
+    assert len(tok) == 512
+    question = TASKS["facts"].examples("test", 1)[0]
+    for text in (question.query + "\n", question.response):
+        ids = tok(text)["input_ids"]
+        assert tok.decode(ids) == text
+        pieces = [tok.decode([i]) for i in ids]
+        assert sum(p in OPTION_MARKERS for p in pieces) == text.count(" (")  # each marker is one token
+    assert tok(" (B)")["input_ids"] == [tok.convert_tokens_to_ids(" (B)")]

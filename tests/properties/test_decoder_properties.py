@@ -27,7 +27,7 @@ def refusion_config(draw):
                                       st.builds(lambda n: {"name": "left_to_right", "n": n}, st.integers(1, 3)))),
            "verifier": {"token_threshold": draw(thresholds)},
            "cache": draw(st.sampled_from(["kv_concat", "kv_recompute"])),
-           "fused": draw(st.booleans())}
+           "fused": draw(st.booleans()), "correct": draw(st.booleans())}
     if draw(st.booleans()):
         cfg["remasker"] = {"name": "sub_slot", "threshold": draw(thresholds)}
     if draw(st.booleans()):

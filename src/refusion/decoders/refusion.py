@@ -46,6 +46,9 @@ class RefusionOptions(DecoderOptions):
         description="adaptive slots: cut a chosen slot before its first draft token with Stage-I prob below this")
     min_split: int = Field(2, ge=1, description="adaptive slots: a cut keeps at least this many tokens")
     fused: bool = Field(False, description="put the unchosen masks in the II-a forward and reuse their logits")
+    correct: bool = Field(
+        False, description="Stage II-b: the token after each row's verified prefix becomes the verify forward's "
+        "AR argmax (speculative decoding's correction token) instead of the masked prediction")
     scorer: PartSpec = PartSpec(name="first_token_prob")
     drafter: PartSpec = PartSpec(name="gumbel")
     selector: PartSpec = PartSpec(name="threshold")
@@ -221,6 +224,9 @@ class RefusionDecoder(Decoder):
             vlog = bb.forward(spec[:, a:], pos[:, a:], cache)  # verify; KV kept, cropped below
             probs = next_token_probs(vlog, spec[:, a:])
             new = self.parts["verifier"].extend(probs, cur) | ~valid[:, a:]
+            if self.options.correct:
+                new = self._correct(spec[:, a:], vlog, cur, new, valid[:, a:])
+                probs = next_token_probs(vlog, spec[:, a:])  # a corrected token's own AR prob
             conf[:, a:] = torch.where(new & ~cur, probs, conf[:, a:])
             tags[:, a:] = new
             eos_hit = torch.isin(spec[:, a:], eos) & new & valid[:, a:]
@@ -259,6 +265,22 @@ class RefusionDecoder(Decoder):
                 trace.remasked.append((s.start + m, s.size - m))
         st.pool.sort(key=lambda s: s.start)
         return cache, trace
+
+    @staticmethod
+    def _correct(spec: Tensor, vlog: Tensor, cur: Tensor, new: Tensor, valid: Tensor) -> Tensor:
+        """Replace, in place, each row's first token that was unverified before this round by the AR argmax
+        of its predecessor's logits; that token is verified, the ones after it (drafted against the old
+        token) are not, unless the argmax is the drafted token. ``spec, cur, new, valid [S, m]``,
+        ``vlog [S, m, V]``; position 0 of every row is verified (the decoder keeps one verified token)."""
+        open_rows = (~cur & valid).any(dim=1).nonzero().flatten()
+        for r in open_rows.tolist():
+            u = int((~cur[r]).nonzero()[0])
+            best = int(vlog[r, u - 1].argmax())
+            if best != int(spec[r, u]):
+                spec[r, u] = best
+                new[r, u + 1 :] = ~valid[r, u + 1 :]
+            new[r, u] = True
+        return new
 
     @staticmethod
     def _retire(st: DecodeState, done: list[Slot], eos_slot: Slot | None) -> None:

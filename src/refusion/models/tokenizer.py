@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = {"eos": "<|endoftext|>", "pad": "<|pad|>", "bos": "<|beginoftext|>", "mask": "<|mask|>"}
@@ -38,8 +38,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE of ``vocab_size`` tokens (specials included) on ``texts``."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 1024, whole_tokens: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts``; ``vocab_size`` tokens in all, specials included.
+
+    ``whole_tokens`` are strings always encoded as one token each (matched in the raw text before
+    pre-tokenization); they take the last ids.
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
@@ -47,10 +53,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedT
     ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+        vocab_size=vocab_size - len(whole_tokens), special_tokens=list(SPECIAL_TOKENS.values()),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in whole_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=SPECIAL_TOKENS["eos"], pad_token=SPECIAL_TOKENS["pad"],
@@ -60,8 +67,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedT
 
 
 def build_tinybench_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """The tokenizer of the tinybench models: trained on every train prompt and response, separately."""
+    """The tokenizer of the tinybench models: trained on every train prompt and response, separately.
+
+    The facts option markers (`` (A)`` .. `` (D)``) are whole tokens, so that naming an option's letter
+    after its value is a one-token copy (see :mod:`refusion.tasks.facts`).
+    """
     from refusion.tasks import corpus
+    from refusion.tasks.facts import OPTION_MARKERS
 
     examples = corpus("train")
-    return train_tokenizer([e.query + "\n" for e in examples] + [e.response for e in examples], vocab_size)
+    texts = [e.query + "\n" for e in examples] + [e.response for e in examples]
+    return train_tokenizer(texts, vocab_size, whole_tokens=OPTION_MARKERS)

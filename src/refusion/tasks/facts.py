@@ -17,7 +17,10 @@ Each option is written value first, letter after, after "- " so that the value i
 in the answer sentence (a word at the start of a line and the same word after a space are different
 BPE tokens): naming the value and then its letter is a copy of what follows the value in the query.
 (The first version listed ``B. Marotin``; a 3.4M model then stated the right fact and picked a wrong
-letter, since the letter precedes the value it has to find.)
+letter, since the letter precedes the value it has to find.) The marker `` (B)`` is one token of the
+tinybench tokenizer: with `` (`` and ``B`` as two tokens, the v1 models (3.4M) named the right value
+20/20 times and its letter 4/20 times, since the token after every value was the same `` (``
+and the letter had to be found two tokens back.
 
 The train split repeats, in shuffled rounds, every fact as a statement ("What is the capital of
 Dravonia?" -> "The capital of Dravonia is Marotin."; its ``answer`` is the value) and as two
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from refusion.tasks.base import Example, Task, split_of
 
 LETTERS = "ABCD"
+OPTION_MARKERS = tuple(f" ({letter})" for letter in LETTERS)  # whole tokens in the tinybench tokenizer
 ANIMALS = ("owl", "fox", "wolf", "bear", "eagle", "deer", "horse", "lion", "swan", "crow", "hare", "lynx")
 COLORS = ("red", "blue", "green", "gold", "black", "white", "purple", "orange", "silver", "brown")
 DISHES = ("rice", "bread", "soup", "cheese", "fish", "beans", "noodles", "plums", "honey", "pie", "corn", "figs")
@@ -128,7 +132,7 @@ class FactsTask(Task):
         rng.shuffle(options)
         answer = LETTERS[options.index(value)]
         query = "\n".join([rng.choice(attribute.questions).format(e=country)]
-                          + [f"- {option} ({letter})" for letter, option in zip(LETTERS, options)])
+                          + [f"- {option}{marker}" for marker, option in zip(OPTION_MARKERS, options)])
         statement = self.statement(country, attribute)
         value_at = statement.rindex(value) + len(value)  # the letter follows the value, as in the options
         response = f"{statement[:value_at]} ({answer}){statement[value_at:]} The answer is {answer}."
