@@ -44,10 +44,11 @@ from typing import Any
 import torch
 
 from refusion.training.objective import Batch, Objective, Pair
-from refusion.training.trainer import LOG_FILE, TrainConfig, _Sampler, build_optimizer, lr_lambda, validation_batch
+from refusion.training.trainer import (
+    LOG_FILE, TrainConfig, _Sampler, build_optimizer, init_run, lr_lambda, validation_batch,
+)
 
 ACCEL_STATE_DIR = "accelerate_state"
-NOISE_SEED_STRIDE = 1_000_003
 
 
 def rank_state_file(rank: int) -> str:
@@ -71,8 +72,6 @@ class DistributedTrainer:
     ) -> None:
         from accelerate import Accelerator
 
-        if not train_pairs:
-            raise ValueError("no training pairs")
         if config.max_tokens is not None or config.group_by_length:
             raise ValueError("distributed training batches by example count: max_tokens / group_by_length are not supported")
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
@@ -85,23 +84,7 @@ class DistributedTrainer:
                 f"({self.world} x {grad_accum})"
             )
         self.grad_accum = grad_accum
-        self.tokenizer = tokenizer
-        self.objective = objective
-        self.train_pairs = train_pairs
-        self.val_pairs = val_pairs or []
-        self.config = config
-        self.out_dir = Path(out_dir)
-        self.final_dir = Path(final_dir) if final_dir is not None else self.out_dir
-        self.step = 0
-        self.tokens_seen = 0
-
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        torch.manual_seed(config.seed)
-        model.float()
-        objective.configure_model(model.config)
-        self.data_gen = torch.Generator().manual_seed(config.seed)
-        self.noise_gen = torch.Generator().manual_seed(config.seed + 1 + self.rank * NOISE_SEED_STRIDE)
+        init_run(self, model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir, self.rank)
         self.sampler = _Sampler(len(train_pairs), self.data_gen)
         self.model, self.optimizer = acc.prepare(model, build_optimizer(model, config))
         # FSDP may replace the parameters: the schedule is built on the prepared optimizer, stepped by us

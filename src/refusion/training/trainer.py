@@ -39,6 +39,7 @@ from refusion.training.objective import Batch, Objective, Pair
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "trainer_weights.safetensors"
 LOG_FILE = "train_log.jsonl"
+NOISE_SEED_STRIDE = 1_000_003  # noise seeds of distributed ranks lie this far apart
 
 
 class TrainConfig(BaseModel):
@@ -188,6 +189,30 @@ def validation_batch(objective: Objective, val_pairs: list[Pair], config: TrainC
     return objective.make_batch(val_pairs[: config.eval_batch_size], gen)
 
 
+def init_run(
+    trainer: Any, model: torch.nn.Module, tokenizer: Any, objective: Objective, train_pairs: list[Pair],
+    config: TrainConfig, out_dir: str | os.PathLike, val_pairs: list[Pair] | None, final_dir: str | os.PathLike | None,
+    rank: int = 0,
+) -> None:
+    """Set-up shared by :class:`Trainer` and the distributed trainer: the run's attributes, torch threads,
+    seeds, the model in fp32 configured for ``objective``, and the data / noise generators (the noise
+    seed differs per ``rank``)."""
+    if not train_pairs:
+        raise ValueError("no training pairs")
+    trainer.tokenizer, trainer.objective, trainer.config = tokenizer, objective, config
+    trainer.train_pairs, trainer.val_pairs = train_pairs, val_pairs or []
+    trainer.out_dir = Path(out_dir)
+    trainer.final_dir = Path(final_dir) if final_dir is not None else trainer.out_dir
+    trainer.step = trainer.tokens_seen = 0
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    model.float()
+    objective.configure_model(model.config)
+    trainer.data_gen = torch.Generator().manual_seed(config.seed)
+    trainer.noise_gen = torch.Generator().manual_seed(config.seed + 1 + rank * NOISE_SEED_STRIDE)
+
+
 class Trainer:
     """Train ``model`` with ``objective`` on ``train_pairs``; see the module docstring for outputs."""
 
@@ -202,27 +227,9 @@ class Trainer:
         val_pairs: list[Pair] | None = None,
         final_dir: str | os.PathLike | None = None,
     ) -> None:
-        if not train_pairs:
-            raise ValueError("no training pairs")
+        init_run(self, model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir)
         self.model = model
-        self.tokenizer = tokenizer
-        self.objective = objective
-        self.train_pairs = train_pairs
-        self.val_pairs = val_pairs or []
-        self.config = config
-        self.out_dir = Path(out_dir)
-        self.final_dir = Path(final_dir) if final_dir is not None else self.out_dir
-        self.step = 0
         self.elapsed = 0.0
-        self.tokens_seen = 0
-
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        torch.manual_seed(config.seed)
-        self.model.float()
-        objective.configure_model(self.model.config)
-        self.data_gen = torch.Generator().manual_seed(config.seed)
-        self.noise_gen = torch.Generator().manual_seed(config.seed + 1)
         self.sampler = _Sampler(len(train_pairs), self.data_gen, config.group_by_length)
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
