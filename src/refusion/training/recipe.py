@@ -22,13 +22,13 @@ How P and F were chosen (defaults below). Measured on tinybench train (47,200 pa
 machine's 2 cores, fp32: a pretraining step takes ~1.25 s with 2 threads on a quiet machine, and
 several times longer when another process competes for the cores (a 2-thread process on one free
 core spin-waits: 3-7 s per step was measured). The first recipe (P = 1800, F = 600) left
-``tiny-refusion`` at 0.41 masked accuracy, so its decoding fell back to Stage II-b; fine-tuning now
-gets F = 800 steps per objective and pretraining P = 1500 (~31 min). With ``--jobs 2`` the four
-fine-tunes run two at a time in 1-thread workers (``block`` steps carry the clean copy of the
-response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``. The shipped
-``tiny-mdm`` and ``tiny-block`` were fine-tuned for 400 steps only (``--objectives mdm`` / ``block``
-``--finetune-steps 400``), because the session that trained them ran out of CPU time; docs/training.md
-says so beside their numbers.
+``tiny-refusion`` at 0.41 masked accuracy, so its decoding fell back to Stage II-b. The second
+(P = 1500, F = 800) showed that the fine-tunes inherit the base's skill: its ``tiny-base`` solved
+2/20 validation arith problems (AR greedy), ``tiny-ar`` 800 AR steps later 17/20 on test, while
+``tiny-refusion``, whose hybrid steps train AR on clean slots only, still solved 0/10 when decoded AR
+greedy. So pretraining now gets P = 2400 steps (~60 min with 2 threads) and every fine-tune F = 800.
+With ``--jobs 2`` the four fine-tunes run two at a time in 1-thread workers (``block`` steps carry the
+clean copy of the response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 import torch
 
-DEFAULT_PRETRAIN_STEPS = 1500
+DEFAULT_PRETRAIN_STEPS = 2400
 DEFAULT_FINETUNE_STEPS = 800
 DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
