@@ -70,3 +70,26 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     assert "**holds**" in text and "1.5 min" in text and "Table 8" in text
     assert "![kv_cache_0](results/kv_cache_0.png)" in text
     assert (tmp_path / "docs" / "results" / "kv_cache_0.svg").exists()
+
+
+def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkeypatch):
+    """--jobs: every ablation runs once in a subprocess; its wall time is recorded; a failing worker is named."""
+    import sys
+
+    monkeypatch.setattr(results, "machine", lambda: "test box")
+    rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
+
+    def fake(name, out, limit, resume, device):
+        code = (f"import json, pathlib, os; pathlib.Path({str(out)!r}, 'results.json').write_text({json.dumps(rows)!r}); "
+                f"print(os.environ['OMP_NUM_THREADS'], {limit!r}, {resume!r})")
+        return [sys.executable, "-c", code if name != "scorers" else "raise SystemExit(3)"]
+
+    monkeypatch.setattr(results, "ablation_command", fake)
+    out, doc = tmp_path / "runs", tmp_path / "results.md"
+    text = results.run_all(out, doc, ["kv_cache", "slot_size"], limit=5, jobs=2)
+    assert text.count("**holds**") >= 1 and "slot_size" in text and "2 one-thread worker processes" in text
+    timings = json.loads((out / "timings.json").read_text())
+    assert set(timings) == {"kv_cache", "slot_size"} and all(t > 0 for t in timings.values())
+    assert (out / "kv_cache" / "run.log").read_text().split() == ["1", "5", "False"]
+    with pytest.raises(RuntimeError, match=r"\['scorers'\]"):
+        results.run_all(out, doc, ["kv_cache", "scorers"], jobs=2)
