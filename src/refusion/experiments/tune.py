@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from refusion.experiments.ablate import load_ablation
+
 
 def pick(rows: list[dict[str, Any]], baseline: str = "ar", tolerance: float = 0.02) -> dict[str, dict[str, Any]]:
     """``task -> chosen row`` among the non-baseline rows of an ablation's ``results.json``."""
@@ -35,15 +37,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m refusion.experiments.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", help="the tuning ablation's output folder (with results.json)")
+    p.add_argument("--config", default="tune_refusion.yaml", help="the grid's ablation config (its axes are the knobs)")
     p.add_argument("--baseline", default="ar")
     p.add_argument("--tolerance", type=float, default=0.02, help="accuracy below the baseline allowed (0-1)")
     a = p.parse_args(argv)
     rows = json.loads((Path(a.folder) / "results.json").read_text())
     chosen = pick(rows, a.baseline, a.tolerance)
     base = {r["task"]: r for r in rows if r["run"] == a.baseline}
+    axes = list(load_ablation(a.config).grid.axes)
     print("tasks:")
     for task, r in chosen.items():
-        knobs = {k: v for k, v in r.items() if "." in k or k == "slot_size"}
+        knobs: dict[str, Any] = {}
+        for key in axes:  # dotted keys nest, as bench.yaml's task overrides expect
+            *parents, leaf = key.split(".")
+            node = knobs
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = r[key]
         print(f"  {task}:  # {r['run']}: acc {100 * r['accuracy']:.0f}% vs {a.baseline} "
               f"{100 * base[task]['accuracy']:.0f}%, {r['tokens_per_second']:.1f} tok/s, TPF {r['tpf']:.2f}")
         print(f"    refusion: {json.dumps(knobs)}")
