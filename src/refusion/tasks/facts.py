@@ -19,8 +19,10 @@ BPE tokens): naming the value and then its letter is a copy of what follows the 
 (The first version listed ``B. Marotin``; a 3.4M model then stated the right fact and picked a wrong
 letter, since the letter precedes the value it has to find.) The marker `` (B)`` is one token of the
 tinybench tokenizer: with `` (`` and ``B`` as two tokens, the v1 models (3.4M) named the right value
-20/20 times and its letter 4/20 times, since the token after every value was the same `` (``
-and the letter had to be found two tokens back.
+20/20 times and answered 4/20, since the token after every value was the same `` (`` and the
+letter had to be found two tokens back. With the marker as one token the v2 models (3.4M) still name
+the right value and then a wrong letter (docs/training.md): the copy is not learned at that size and
+budget, and the task is due for a redesign.
 
 The train split repeats, in shuffled rounds, every fact as a statement ("What is the capital of
 Dravonia?" -> "The capital of Dravonia is Marotin."; its ``answer`` is the value) and as two

@@ -27,6 +27,8 @@ core spin-waits: 3-7 s per step was measured). The first recipe (P = 1800, F = 6
 2/20 validation arith problems (AR greedy), ``tiny-ar`` 800 AR steps later 17/20 on test, while
 ``tiny-refusion``, whose hybrid steps train AR on clean slots only, still solved 0/10 when decoded AR
 greedy. So pretraining now gets P = 2400 steps (~60 min with 2 threads) and every fine-tune F = 800.
+(The v2 base made with it solved 3/20, so the AR fine-tune still supplies most of the arith skill:
+docs/training.md.)
 With ``--jobs 2`` the four fine-tunes run two at a time in 1-thread workers (``block`` steps carry the
 clean copy of the response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
 """
