@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from refusion.core.config import ConfigError
-from refusion.experiments.ablate import build_runs, load_ablation, run_ablation
+from refusion.core.config import ConfigError, validate_config
+from refusion.experiments.ablate import CONFIGS_DIR, build_runs, load_ablation, run_ablation
 from refusion.models.loading import save_pretrained
 from refusion.tasks import get_task
 
@@ -57,3 +57,13 @@ def test_bad_ablation_config_names_the_field(tmp_path):
         load_ablation(p)
     with pytest.raises(ConfigError, match="not found"):
         load_ablation(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml") if p.stem != "bench"))
+def test_every_shipped_ablation_is_a_valid_config_on_each_of_its_tasks(name):
+    """A grid value the decoder rejects on one task (e.g. a serial block count that does not divide
+    that task's slots) must fail here, not an hour into ``refusion results``."""
+    cfg = load_ablation(name + ".yaml")
+    for run in build_runs(cfg):
+        for task in cfg.tasks:
+            validate_config(run.configs[task])
