@@ -93,3 +93,19 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
     assert (out / "kv_cache" / "run.log").read_text().split() == ["1", "5", "False"]
     with pytest.raises(RuntimeError, match=r"\['scorers'\]"):
         results.run_all(out, doc, ["kv_cache", "scorers"], jobs=2)
+
+
+def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
+    """0% vs 0% on arith, or 30% vs 25% on four-option facts, cannot confirm an accuracy claim."""
+    rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
+            row("facts", "kv_concat", 0.30, tps=12, n=20), row("facts", "kv_recompute", 0.25, tps=10, n=20),
+            row("code", "kv_concat", 0.60, tps=12), row("code", "kv_recompute", 0.62, tps=10)]
+    word, why = verdict(CLAIM["kv_cache"], rows)
+    assert word == "holds"
+    assert why[0].startswith("arith: not testable, every run at chance (best 0%, chance 0%")
+    assert why[1].startswith("code: yes") and why[2].startswith("facts: not testable")
+    assert verdict(CLAIM["kv_cache"], rows[:4])[0] == "cannot be tested here"
+    rows[1]["accuracy"] = 0.5  # recompute above chance: arith is tested, and reuse (0%) fails it
+    assert verdict(CLAIM["kv_cache"], rows)[0] == "mixed"
+    speed = [row("arith", f"t{v}", 0.0, tpf=t, **{"verifier.token_threshold": v}) for v, t in ((0.1, 2.0), (0.9, 1.0))]
+    assert verdict(CLAIM["token_threshold"], speed)[0] == "holds"  # a speed claim is tested at any accuracy

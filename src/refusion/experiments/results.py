@@ -10,10 +10,14 @@ Verdicts are rules over the measured rows, never typed by hand, so a rerun rewri
 * ``holds``: the paper's claim is true of the numbers on every task measured;
 * ``does not hold``: it is false on every task;
 * ``mixed``: true on some tasks only (each task's outcome is listed);
-* ``cannot be tested here``: a run the claim needs is missing (for example no model for the decoder).
+* ``cannot be tested here``: a run the claim needs is missing (for example no model for the decoder),
+  or every task is at chance (below).
 
 "Same accuracy" always means within noise: two binomial standard errors of the pooled accuracy of the
-two runs compared on that task, and at least 2 points.
+two runs compared on that task, and at least 2 points. A claim about accuracy is not tested on a task
+where every run of the ablation is at chance level (each run's accuracy at most the task's
+``chance_accuracy`` plus two binomial standard errors of it, and at least 5 points): "0% and 0% agree"
+says nothing about the decoder. Such tasks are listed as not testable and left out of the verdict.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ def noise(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 def _pct(v: float) -> str:
     return f"{100 * v:.0f}%"
+
+
+def chance(task: str) -> float:
+    """The accuracy of guessing on ``task`` (0 for a task this package does not know)."""
+    from refusion.tasks import TASKS
+
+    return TASKS[task].chance_accuracy if task in TASKS else 0.0
+
+
+def at_chance(task: str, runs: dict[str, dict[str, Any]]) -> bool:
+    """Whether every run on ``task`` is within noise of guessing (see the module docstring)."""
+    c = chance(task)
+    return all(r["accuracy"] <= c + max(0.05, 2 * math.sqrt(c * (1 - c) / r["n"])) for r in runs.values())
 
 
 def _by_task(rows: Rows) -> dict[str, dict[str, dict[str, Any]]]:
@@ -140,6 +157,7 @@ class Claim:
     paper: str  # what the paper reports, with its numbers
     claim: str  # the statement tested here
     test: Callable[[dict[str, dict]], Outcome]
+    about_accuracy: bool = True  # False: the claim is about speed only, testable at any accuracy
 
 
 CLAIMS = (
@@ -153,7 +171,8 @@ CLAIMS = (
           "throughput is non-monotonic; sweet spot 0.5-1.0.",
           "the highest slot threshold is at least as accurate as the lowest", higher_slot_threshold_more_accurate),
     Claim("token_threshold", "Figure 4 (§5.4): a higher token threshold lowers throughput; sweet spot 0.1-0.9.",
-          "the highest token threshold has a lower TPF than the lowest", higher_token_threshold_slower),
+          "the highest token threshold has a lower TPF than the lowest", higher_token_threshold_slower,
+          about_accuracy=False),
     Claim("slot_size", "Figure 4 (§5.4): a larger slot size can improve both performance and speed; sweet spot "
           "k in {8, 32}.",
           "the best slot size >= 8 is as accurate and at least as parallel as the best <= 4", larger_slots_not_worse),
@@ -173,17 +192,24 @@ CLAIMS = (
 def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
     """``(verdict, per-task lines)`` of ``claim`` over an ablation's summary rows."""
     outcomes: list[tuple[str, bool, str]] = []
+    lines: list[str] = []
     for task, runs in sorted(_by_task(rows).items()):
         try:
             ok, why = claim.test(runs)
         except (KeyError, LookupError, ValueError, ZeroDivisionError) as e:
             return "cannot be tested here", [f"{task}: missing {e}"]
+        if claim.about_accuracy and at_chance(task, runs):
+            best = max(r["accuracy"] for r in runs.values())
+            lines.append(f"{task}: not testable, every run at chance (best {_pct(best)}, chance "
+                         f"{_pct(chance(task))}; {why})")
+            continue
         outcomes.append((task, ok, why))
+        lines.append(f"{task}: {'yes' if ok else 'no'} ({why})")
     if not outcomes:
-        return "cannot be tested here", ["no results"]
+        return "cannot be tested here", lines or ["no results"]
     n_ok = sum(ok for _, ok, _ in outcomes)
     word = "holds" if n_ok == len(outcomes) else "does not hold" if n_ok == 0 else "mixed"
-    return word, [f"{task}: {'yes' if ok else 'no'} ({why})" for task, ok, why in outcomes]
+    return word, lines
 
 
 def machine() -> str:
@@ -217,7 +243,10 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
              "checkpoints; split: test; decoder settings: `configs/bench.yaml` plus each run's overrides.",
              "- Accuracy differences are judged against noise: two binomial standard errors of the pooled "
              "accuracy of the two runs compared (at least 2 points). Speeds are tokens/s measured side by side "
-             "in one run (samples interleaved), TPF = generated tokens / forward calls.", "",
+             "in one run (samples interleaved), TPF = generated tokens / forward calls.",
+             "- A claim about accuracy is not tested on a task where every run is at chance (arith and code: "
+             "at most 5%; facts: within two standard errors of 25%): such tasks are listed as not testable and "
+             "the verdict is over the others.", "",
              "| analysis | paper | verdict | run time |", "|---|---|---|---|"]
     sections, summary = [], []
     for name in names:

@@ -39,6 +39,7 @@ class Task(ABC):
     name: str
     max_new_tokens: int
     sizes: dict[str, int]  # default size of each split
+    chance_accuracy: float = 0.0  # the accuracy of guessing (1/4 on four-option multiple choice)
 
     def examples(self, split: str, n: int | None = None) -> list[Example]:
         """The first ``n`` examples (default: the split's size) of a split, the same on every call."""

@@ -119,6 +119,7 @@ class FactsTask(Task):
     name = "facts"
     max_new_tokens = 32
     sizes = {"train": 7200, "validation": 200, "test": 200}
+    chance_accuracy = 1 / len(LETTERS)
 
     def __init__(self) -> None:
         self.facts, self.pools = build_knowledge_base()

@@ -45,6 +45,9 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
     p.add_argument("--batch-size", type=int, default=None, help="examples per batch (default 32)")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (padded tokens)")
+    p.add_argument("--group-by-length", type=int, default=0, metavar="N",
+                   help="draw N batches at a time and batch them by length, so less padding is computed "
+                        "(the recipe uses 64; default 0: plain shuffled batches)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of steps)")
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -135,7 +138,7 @@ def run_train(args: argparse.Namespace) -> int:
         steps=args.steps or 200, batch_size=args.batch_size or 32, max_tokens=args.max_tokens,
         lr=args.lr or 1e-3, warmup_steps=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         seed=args.seed, log_every=args.log_every, save_every=args.save_every, eval_every=args.eval_every,
-        threads=args.threads, progress=not args.no_progress,
+        threads=args.threads, progress=not args.no_progress, group_by_length=args.group_by_length,
     )
     trainer = Trainer(model, tokenizer, objective, train_pairs, config, args.out, val_pairs=val_pairs)
     summary = trainer.train(resume=args.resume)
