@@ -109,3 +109,25 @@ def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
     assert verdict(CLAIM["kv_cache"], rows)[0] == "mixed"
     speed = [row("arith", f"t{v}", 0.0, tpf=t, **{"verifier.token_threshold": v}) for v, t in ((0.1, 2.0), (0.9, 1.0))]
     assert verdict(CLAIM["token_threshold"], speed)[0] == "holds"  # a speed claim is tested at any accuracy
+
+
+def test_frontier_is_not_tested_where_one_decoder_is_at_chance_at_every_tpf():
+    """LLaDA at 0% everywhere has no accuracy to lose: 'ReFusion loses more' would be a floor effect."""
+    rows = [row("code", "ar", 0.9, decoder="ar"), row("code", "r1", 0.40, tpf=1.2), row("code", "r2", 0.05, tpf=1.6),
+            row("code", "l1", 0.0, tpf=2.0, decoder="llada"), row("code", "l2", 0.0, tpf=5.0, decoder="llada")]
+    word, why = verdict(CLAIM["frontier"], rows)
+    assert word == "cannot be tested here" and why[0].startswith("code: not testable, every llada setting at chance")
+
+
+def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "machine", lambda: "test box")
+    out = tmp_path / "runs"
+    (out / "kv_cache").mkdir(parents=True)
+    rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
+            row("code", "kv_concat", 0.6, tps=12), row("code", "kv_recompute", 0.6, tps=10)]
+    (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
+    (out / "timings.json").write_text(json.dumps({"kv_cache": 120.0}))
+    text = results.run_all(out, tmp_path / "r.md", ["kv_cache"], run=False, command="refusion results --limit 20")
+    assert "**holds** (tested on code; at chance on arith) | 2.0 min |" in text
+    with pytest.raises(RuntimeError, match="no results.json for \\['scorers'\\]"):
+        results.run_all(out, tmp_path / "r.md", ["kv_cache", "scorers"], run=False)

@@ -65,6 +65,10 @@ def at_chance(task: str, runs: dict[str, dict[str, Any]]) -> bool:
     return all(r["accuracy"] <= c + max(0.05, 2 * math.sqrt(c * (1 - c) / r["n"])) for r in runs.values())
 
 
+class AtChance(Exception):
+    """Raised by a claim's test when the runs it compares are at chance on a task (message: the numbers)."""
+
+
 def _by_task(rows: Rows) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
@@ -124,7 +128,8 @@ def block_size_robust(runs: dict[str, dict]) -> Outcome:
     pts = _swept(runs, "serial_blocks")
     hi, lo = max(pts, key=lambda r: r["accuracy"]), min(pts, key=lambda r: r["accuracy"])
     ok = hi["accuracy"] - lo["accuracy"] <= noise(hi, lo)
-    return ok, ", ".join(f"{r['serial_blocks']} blocks {_pct(r['accuracy'])} (TPF {r['tpf']:.2f})" for r in pts)
+    return ok, ", ".join(f"{r['serial_blocks']} block{'s' * (r['serial_blocks'] != 1)} {_pct(r['accuracy'])} "
+                         f"(TPF {r['tpf']:.2f})" for r in pts)
 
 
 def _drop(runs: dict[str, dict], decoder: str) -> tuple[float, float, str] | None:
@@ -141,6 +146,10 @@ def refusion_flatter_than_llada(runs: dict[str, dict]) -> Outcome:
     ref, lla = _drop(runs, "refusion"), _drop(runs, "llada")
     if ref is None or lla is None:
         raise LookupError("needs at least two refusion and two llada settings of different TPF")
+    task = next(iter(runs.values()))["task"]
+    for decoder in ("refusion", "llada"):  # a decoder at chance at every TPF has no accuracy to lose
+        if at_chance(task, {k: r for k, r in runs.items() if r["decoder"] == decoder}):
+            raise AtChance(f"every {decoder} setting at chance; {ref[2]}; {lla[2]}")
     return ref[0] < lla[0], f"{ref[2]}; {lla[2]}"
 
 
@@ -196,6 +205,9 @@ def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
     for task, runs in sorted(_by_task(rows).items()):
         try:
             ok, why = claim.test(runs)
+        except AtChance as e:
+            lines.append(f"{task}: not testable, {e}")
+            continue
         except (KeyError, LookupError, ValueError, ZeroDivisionError) as e:
             return "cannot be tested here", [f"{task}: missing {e}"]
         if claim.about_accuracy and at_chance(task, runs):
@@ -254,8 +266,11 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
         cfg = load_ablation(name + ".yaml")
         claim = claims.get(name)
         word, why = verdict(claim, rows) if claim else ("(no claim)", [])
+        tested = [line.split(":")[0] for line in why if ": yes" in line or ": no (" in line]
+        untested = [line.split(":")[0] for line in why if "not testable" in line]
+        scope = f" (tested on {', '.join(tested)}; at chance on {', '.join(untested)})" if tested and untested else ""
         summary.append(f"| [{cfg.title or name}](#{name}) | {claim.paper.split(':')[0] if claim else ''} | "
-                       f"**{word}** | {timings.get(name, 0) / 60:.1f} min |")
+                       f"**{word}**{scope} | {timings.get(name, 0) / 60:.1f} min |")
         extra = list(cfg.grid.axes) if cfg.grid else []
         sec = [f'<a id="{name}"></a>', f"## {cfg.title or name}", "",
                f"`refusion ablate {name}.yaml` ({cfg.split} split, {rows[0]['n'] if rows else 0} samples per task"
@@ -313,12 +328,18 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, d
 
 
 def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | None = None, resume: bool = False,
-            device: str = "cpu", command: str = "refusion results", jobs: int = 1) -> str:
-    """Run the ablations (in this process, or in ``jobs`` worker processes) and write ``doc``.
+            device: str = "cpu", command: str = "refusion results", jobs: int = 1, run: bool = True) -> str:
+    """Run the ablations (in this process, or in ``jobs`` worker processes) and write ``doc``; with
+    ``run=False`` only rewrite ``doc`` from ``OUT`` (after a change to the verdict rules).
     Run times accumulate over resumed runs in ``OUT/timings.json``."""
     names = names or [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
     timing_file = out / "timings.json"
-    timings: dict[str, float] = json.loads(timing_file.read_text()) if resume and timing_file.exists() else {}
+    timings: dict[str, float] = json.loads(timing_file.read_text()) if (resume or not run) and timing_file.exists() else {}
+    if not run:
+        missing = [n for n in names if not (out / n / "results.json").is_file()]
+        if missing:
+            raise RuntimeError(f"--doc-only: no results.json for {missing} in {out}; run them first")
+        return write_document(out, doc, names, timings, command, jobs)
     out.mkdir(parents=True, exist_ok=True)
     if jobs > 1:
         _run_workers(names, out, limit, resume, device, jobs, timings, timing_file)
@@ -340,6 +361,8 @@ def add_results_command(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue in --out, skipping finished samples")
     p.add_argument("--jobs", type=int, default=1,
                    help="run the ablations in this many one-thread worker processes (2 on a 2-core machine)")
+    p.add_argument("--doc-only", action="store_true",
+                   help="run nothing: rewrite --doc from the results already in --out (give the run's --limit/--jobs)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_results)
 
@@ -356,7 +379,7 @@ def cmd_results(a) -> int:
     command = ("refusion results" + (f" --limit {a.limit}" if a.limit else "") + (f" --only {a.only}" if a.only else "")
                + (f" --jobs {a.jobs}" if a.jobs > 1 else ""))
     try:
-        run_all(Path(a.out), Path(a.doc), names, a.limit, a.resume, a.device, command, a.jobs)
+        run_all(Path(a.out), Path(a.doc), names, a.limit, a.resume, a.device, command, a.jobs, run=not a.doc_only)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
