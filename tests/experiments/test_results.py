@@ -56,6 +56,7 @@ def test_frontier_compares_accuracy_lost_per_tpf():
 
 def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
     out = tmp_path / "runs"
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
@@ -77,6 +78,7 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
     import sys
 
     monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
 
     def fake(name, out, limit, resume, device):
@@ -121,6 +123,7 @@ def test_frontier_is_not_tested_where_one_decoder_is_at_chance_at_every_tpf():
 
 def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
     out = tmp_path / "runs"
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
@@ -131,3 +134,12 @@ def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypa
     assert "**holds** (tested on code; at chance on arith) | 2.0 min |" in text
     with pytest.raises(RuntimeError, match="no results.json for \\['scorers'\\]"):
         results.run_all(out, tmp_path / "r.md", ["kv_cache", "scorers"], run=False)
+
+
+def test_the_page_names_each_shipped_model_by_a_hash_of_its_weights():
+    import re
+
+    from refusion.models.loading import shipped_checkpoints
+
+    text = results.shipped_models()
+    assert [m.group(1) for m in re.finditer(r"`([\w-]+)` [0-9a-f]{10}\b", text)] == shipped_checkpoints()
