@@ -61,8 +61,6 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
-    (out / "kv_cache" / "kv_cache_0.png").write_bytes(b"png")
-    (out / "kv_cache" / "kv_cache_0.svg").write_text("<svg/>")
     doc = tmp_path / "docs" / "results.md"
     doc.parent.mkdir()
     text = write_document(out, doc, ["kv_cache"], {"kv_cache": 90.0}, "refusion results --only kv_cache")
@@ -70,7 +68,8 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     assert "`refusion results --only kv_cache`" in text and "test box" in text
     assert "**holds**" in text and "1.5 min" in text and "Table 8" in text
     assert "![kv_cache_0](results/kv_cache_0.png)" in text
-    assert (tmp_path / "docs" / "results" / "kv_cache_0.svg").exists()
+    figure = tmp_path / "docs" / "results" / "kv_cache_0.png"  # drawn from results.json, with the page
+    assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".svg").exists()
 
 
 def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkeypatch):

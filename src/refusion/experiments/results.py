@@ -2,7 +2,7 @@
 
 Runs each ablation config of ``experiments/configs/`` (all but the validation-split tuning grid) with
 the same engine as ``refusion ablate`` into ``OUT/<name>/`` (resumable: ``--resume`` skips finished
-samples), times each, copies its plots next to the document and writes one markdown page: the command,
+samples), times each, draws its plots next to the document and writes one markdown page: the command,
 the machine, per ablation its table, figures, the paper's own finding beside it and a verdict.
 
 Verdicts are rules over the measured rows, never typed by hand, so a rerun rewrites them:
@@ -26,14 +26,13 @@ import json
 import math
 import os
 import platform
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, run_ablation
+from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, plot, run_ablation
 
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
          "variants")
@@ -296,10 +295,8 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
             sec += [f"**Paper.** {claim.paper}", "", f"**Tested here.** {claim.claim}: **{word}**.", ""]
             sec += [f"- {w}" for w in why] + [""]
         sec += [markdown_table(rows, extra), ""]
-        for png in sorted((out / name).glob(f"{name}_*.png")):
-            for f in (png, png.with_suffix(".svg")):
-                if f.exists():
-                    shutil.copyfile(f, fig_dir / f.name)
+        for i, spec in enumerate(cfg.plots if rows else []):  # drawn again from the rows, as `ablate` draws them
+            png = plot(rows, spec, fig_dir, f"{name}_{i}")[0]
             sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]
         sections.append("\n".join(sec))
     text = "\n".join(lines + summary + [""] + sections)
