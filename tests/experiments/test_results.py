@@ -56,12 +56,11 @@ def test_frontier_compares_accuracy_lost_per_tpf():
 
 def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
     out = tmp_path / "runs"
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
-    (out / "kv_cache" / "kv_cache_0.png").write_bytes(b"png")
-    (out / "kv_cache" / "kv_cache_0.svg").write_text("<svg/>")
     doc = tmp_path / "docs" / "results.md"
     doc.parent.mkdir()
     text = write_document(out, doc, ["kv_cache"], {"kv_cache": 90.0}, "refusion results --only kv_cache")
@@ -69,7 +68,8 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     assert "`refusion results --only kv_cache`" in text and "test box" in text
     assert "**holds**" in text and "1.5 min" in text and "Table 8" in text
     assert "![kv_cache_0](results/kv_cache_0.png)" in text
-    assert (tmp_path / "docs" / "results" / "kv_cache_0.svg").exists()
+    figure = tmp_path / "docs" / "results" / "kv_cache_0.png"  # drawn from results.json, with the page
+    assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".svg").exists()
 
 
 def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkeypatch):
@@ -77,6 +77,7 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
     import sys
 
     monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
 
     def fake(name, out, limit, resume, device):
@@ -109,3 +110,35 @@ def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
     assert verdict(CLAIM["kv_cache"], rows)[0] == "mixed"
     speed = [row("arith", f"t{v}", 0.0, tpf=t, **{"verifier.token_threshold": v}) for v, t in ((0.1, 2.0), (0.9, 1.0))]
     assert verdict(CLAIM["token_threshold"], speed)[0] == "holds"  # a speed claim is tested at any accuracy
+
+
+def test_frontier_is_not_tested_where_one_decoder_is_at_chance_at_every_tpf():
+    """LLaDA at 0% everywhere has no accuracy to lose: 'ReFusion loses more' would be a floor effect."""
+    rows = [row("code", "ar", 0.9, decoder="ar"), row("code", "r1", 0.40, tpf=1.2), row("code", "r2", 0.05, tpf=1.6),
+            row("code", "l1", 0.0, tpf=2.0, decoder="llada"), row("code", "l2", 0.0, tpf=5.0, decoder="llada")]
+    word, why = verdict(CLAIM["frontier"], rows)
+    assert word == "cannot be tested here" and why[0].startswith("code: not testable, every llada setting at chance")
+
+
+def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    out = tmp_path / "runs"
+    (out / "kv_cache").mkdir(parents=True)
+    rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
+            row("code", "kv_concat", 0.6, tps=12), row("code", "kv_recompute", 0.6, tps=10)]
+    (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
+    (out / "timings.json").write_text(json.dumps({"kv_cache": 120.0}))
+    text = results.run_all(out, tmp_path / "r.md", ["kv_cache"], run=False, command="refusion results --limit 20")
+    assert "**holds** (tested on code; at chance on arith) | 2.0 min |" in text
+    with pytest.raises(RuntimeError, match="no results.json for \\['scorers'\\]"):
+        results.run_all(out, tmp_path / "r.md", ["kv_cache", "scorers"], run=False)
+
+
+def test_the_page_names_each_shipped_model_by_a_hash_of_its_weights():
+    import re
+
+    from refusion.models.loading import shipped_checkpoints
+
+    text = results.shipped_models()
+    assert [m.group(1) for m in re.finditer(r"`([\w-]+)` [0-9a-f]{10}\b", text)] == shipped_checkpoints()

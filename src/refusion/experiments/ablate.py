@@ -62,6 +62,7 @@ class PlotSpec(Strict):
     x: str
     y: str = "accuracy"
     title: str | None = None
+    connect: bool = False  # join each decoder's runs in x order (a trade-off frontier)
 
 
 class AblationConfig(Strict):
@@ -131,23 +132,50 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from refusion.tasks import TASKS
+
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
     swept = spec.x in rows[0] and spec.x not in ("tpf", "tokens_per_second", "nfe_mean", "accuracy", "latency_s_mean")
     scale = (lambda v: 100 * v) if spec.y == "accuracy" else (lambda v: v)
+    labels = list(dict.fromkeys(r["run"] for r in rows))
+    legend_h = 0.0 if swept else 0.25 * ((len(labels) + 3) // 4) + 0.1  # inches below the axes
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6 + legend_h), squeeze=False)
+    decoders = list(dict.fromkeys(r["decoder"] for r in rows))
+    colors = {d: f"C{i}" for i, d in enumerate(decoders)}  # one colour per decoder, or per run if only one
+
+    def color(r: dict[str, Any]) -> str:
+        return colors[r["decoder"]] if len(decoders) > 1 else f"C{labels.index(r['run']) % 10}"
+
+    markers = "osD^v<>pPX*h"
     for ax, task in zip(axes[0], tasks):
         pts = [r for r in rows if r["task"] == task and r.get(spec.x) is not None]
         if swept:
             pts.sort(key=lambda r: r[spec.x])
             ax.plot([r[spec.x] for r in pts], [scale(r[spec.y]) for r in pts], marker="o")
-        else:
+        else:  # one marker per run, one colour per decoder; the legend names the runs
+            if spec.connect:
+                for d in decoders:
+                    line = sorted((r for r in pts if r["decoder"] == d), key=lambda r: r[spec.x])
+                    ax.plot([r[spec.x] for r in line], [scale(r[spec.y]) for r in line], color=colors[d], alpha=0.4)
             for r in pts:
-                ax.scatter(r[spec.x], scale(r[spec.y]), s=50)
-                ax.annotate(r["run"], (r[spec.x], scale(r[spec.y])), textcoords="offset points", xytext=(5, -3), fontsize=7)
+                i = labels.index(r["run"])
+                ax.scatter(r[spec.x], scale(r[spec.y]), s=45, color=color(r),
+                           marker=markers[i % len(markers)], label=r["run"], zorder=3)
         ax.set(title=task, xlabel=spec.x, ylabel=spec.y + (" %" if spec.y == "accuracy" else ""))
+        if spec.y == "accuracy":  # the full scale, so that 0% vs 5% does not look like a trend
+            ax.set_ylim(-3, 103)
+            guess = TASKS[task].chance_accuracy if task in TASKS else 0.0
+            if guess:
+                ax.axhline(100 * guess, ls=":", color="gray")
+                ax.annotate("chance", (0.01, 100 * guess), xycoords=("axes fraction", "data"), fontsize=7,
+                            color="gray", va="bottom")
         ax.grid(alpha=0.3)
+    handles = {} if swept else {h.get_label(): h for ax in axes[0] for h in ax.collections}
+    if handles:
+        fig.legend([handles[lbl] for lbl in labels if lbl in handles], [lbl for lbl in labels if lbl in handles],
+                   loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
     fig.suptitle(spec.title or f"{spec.y} vs {spec.x}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_h / (3.6 + legend_h), 1, 1))
     paths = [out / f"{stem}.png", out / f"{stem}.svg"]
     for p in paths:
         fig.savefig(p, dpi=130)
