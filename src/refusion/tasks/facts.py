@@ -20,7 +20,7 @@ easy for it: the next marker is the next letter, the option after it is copied f
 that starts with the same marker (one-token marker, then the value), the yes/no judgment is made on
 the value's own tokens, and the letter is the marker before the one "yes". Measured by fine-tuning
 the v2 base (``runs/recipe4/tiny-base``) with ``ar`` for 600 steps on facts alone and decoding 100
-validation questions greedily (``runs/diag/``, not in the repo): the v2 layout ("... is Marotin (B).
+validation questions greedily (``docs/diagnostics/README.md``): the v2 layout ("... is Marotin (B).
 The answer is B.", value then marker) 32/100; the walk with value then marker ("Kelu (A) no, ...")
 56/100; this layout, marker then value, 91/100. The markers `` (A)``..`` (D)`` are whole tokens of the
 tinybench tokenizer, so "- (A) Kelu" in the query and ", (A) Kelu" in the answer share the marker and

@@ -30,7 +30,7 @@ greedy. The v2 recipe (P = 2400, F = 800) showed the same: its base solved 3/20 
 ``tiny-ar`` 18/20 after 800 more AR steps, ``tiny-refusion`` 0/10 (decoded AR greedy or with ReFusion),
 and 800 further hybrid steps on top of ``tiny-refusion`` (1600 in all) raised its validation masked
 accuracy from 0.65 to 0.78 and ReFusion's TPF from 1.07 to 1.75 on arith and 1.17 to 1.91 on code, but
-left arith at 0/10: the hybrid objective keeps an AR skill the base has far better than it teaches
+left arith at 0/10 (docs/diagnostics/README.md): the hybrid objective keeps an AR skill the base has far better than it teaches
 one (its AR loss sees the clean slots shuffled). So v3 pretrains longer, P = 3600 (~85 min with 2
 threads), so that the base itself does arithmetic (the v2 base plus 800 AR steps, 3200 AR steps in
 all, solved 18/20), and fine-tunes F = 1200 (~45 min for ``ar`` and
