@@ -67,3 +67,17 @@ def test_every_shipped_ablation_is_a_valid_config_on_each_of_its_tasks(name):
     for run in build_runs(cfg):
         for task in cfg.tasks:
             validate_config(run.configs[task])
+
+
+def test_plots_are_byte_identical_when_redrawn(tmp_path):
+    """Regenerating docs from the same results must not churn the committed figures (no ids, no dates)."""
+    from refusion.experiments.ablate import PlotSpec, plot
+
+    rows = [{"task": "facts", "run": r, "decoder": d, "accuracy": a, "tpf": t}
+            for r, d, a, t in (("ar", "ar", 0.9, 1.0), ("x", "refusion", 0.5, 2.0), ("y", "refusion", 0.4, 3.0))]
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    for out in (first, second):
+        plot(rows, PlotSpec(x="tpf", connect=True), out, "f")
+    for name in ("f.png", "f.svg"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()

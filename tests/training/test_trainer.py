@@ -128,9 +128,13 @@ def test_json_data_loading(char_tokenizer, tmp_path):
         load_pairs(path, char_tokenizer)
 
 
-def test_cli_train_from_folder(char_tokenizer, tmp_path):
+def test_cli_train_from_folder(char_tokenizer, tmp_path, monkeypatch):
     from refusion.models.loading import save_pretrained
     from refusion.training.cli import add_train_command
+
+    configs = []
+    init_trainer = Trainer.__init__
+    monkeypatch.setattr(Trainer, "__init__", lambda self, *a, **k: configs.append(a[4]) or init_trainer(self, *a, **k))
 
     init = tmp_path / "init"
     save_pretrained(build_model(char_tokenizer, "micro"), char_tokenizer, init)
@@ -141,10 +145,14 @@ def test_cli_train_from_folder(char_tokenizer, tmp_path):
     out = tmp_path / "out"
     args = parser.parse_args(["train", "--objective", "refusion", "--data", str(data), "--init", str(init),
                               "--out", str(out), "--steps", "3", "--batch-size", "4", "--set", "slot_sizes=[2,4]",
-                              "--no-progress"])
+                              "--group-by-length", "2", "--no-progress"])
     assert args.func(args) == 0
     model, _ = load_pretrained(out)
     assert model.config.refusion_objective == "refusion"
+    assert configs[0].group_by_length == 2
+    args = parser.parse_args(["train", "--objective", "ar", "--out", str(out), "--group-by-length", "-1"])
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error, naming the flag
+        args.func(args)
     with pytest.raises(SystemExit):
         args = parser.parse_args(["train", "--objective", "refusion", "--data", str(data), "--init", str(init),
                                   "--out", str(out), "--set", "slot_size=2", "--no-progress"])

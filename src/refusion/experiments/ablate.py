@@ -177,8 +177,9 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
     fig.suptitle(spec.title or f"{spec.y} vs {spec.x}")
     fig.tight_layout(rect=(0, legend_h / (3.6 + legend_h), 1, 1))
     paths = [out / f"{stem}.png", out / f"{stem}.svg"]
-    for p in paths:
-        fig.savefig(p, dpi=130)
+    with matplotlib.rc_context({"svg.hashsalt": stem}):  # the same rows give the same files (no ids, no date)
+        fig.savefig(paths[0], dpi=130, metadata={"Software": None})
+        fig.savefig(paths[1], metadata={"Date": None})
     plt.close(fig)
     return paths
 

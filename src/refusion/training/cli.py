@@ -103,6 +103,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     if not args.objective:
         _error(args, "--objective is required (or use --recipe tiny)")
+    if args.group_by_length < 0:
+        _error(args, f"--group-by-length must be 0 (off) or a number of batches, got {args.group_by_length}")
 
     import torch
 
