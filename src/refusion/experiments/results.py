@@ -282,8 +282,8 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
         cfg = load_ablation(name + ".yaml")
         claim = claims.get(name)
         word, why = verdict(claim, rows) if claim else ("(no claim)", [])
-        tested = [line.split(":")[0] for line in why if ": yes" in line or ": no (" in line]
         untested = [line.split(":")[0] for line in why if "not testable" in line]
+        tested = [line.split(":")[0] for line in why if "not testable" not in line]
         scope = f" (tested on {', '.join(tested)}; at chance on {', '.join(untested)})" if tested and untested else ""
         summary.append(f"| [{cfg.title or name}](#{name}) | {claim.paper.split(':')[0] if claim else ''} | "
                        f"**{word}**{scope} | {timings.get(name, 0) / 60:.1f} min |")
