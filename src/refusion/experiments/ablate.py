@@ -7,6 +7,7 @@ starts from the bench's per-task settings for its decoder (``configs/bench.yaml`
     name: kv_cache
     title: KV reuse vs recompute (paper Table 8)
     tasks: [arith, code, facts]
+    split: test                            # or validation (choose settings there, never on test)
     limit: 50
     baseline: kv_concat                    # speed-ups are over this run, per task
     runs:
@@ -16,8 +17,11 @@ starts from the bench's per-task settings for its decoder (``configs/bench.yaml`
       decoder: refusion
       axes: {selector.slot_threshold: [0.5, 0.7, 0.9]}
     plots:
-      - {x: tpf, y: accuracy}              # one point per run, per task
+      - {x: tpf, y: accuracy}              # one point per run, per task (connect: true joins each decoder's)
       - {x: selector.slot_threshold, y: accuracy}   # a line per task along a swept knob
+
+``bench_config`` (default ``configs/bench.yaml``) gives the models and per-task settings runs start from.
+A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder.
 
 The evaluation engine is the bench's (``runner.py``): every finished sample is appended to
 ``OUT/samples.jsonl`` at once and ``--resume`` skips finished work. Writes ``results.json``,
