@@ -16,7 +16,7 @@ def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
     assert "masked_acc" in stages["finetune-refusion"]["eval"]  # diffusion objectives report masked accuracy
     for name in ("micro-base", "micro-refusion", "micro-ar"):
         assert (out / name / "model.safetensors").is_file() and (out / name / "tokenizer.json").is_file()
-    assert sorted(p.name for p in (out / "work").glob("job-*.log")) == ["job-0.log", "job-1.log"]
+    assert sorted(p.name for p in (out / "work").glob("finetune-*.log")) == ["finetune-ar.log", "finetune-refusion.log"]
     assert json.loads((out / SUMMARY_FILE).read_text())["stages"].keys() == stages.keys()
     again = run_recipe(out, **kw)  # everything done: nothing retrains, same stage results
     assert again["stages"] == stages

@@ -314,29 +314,16 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, d
                  timings: dict[str, float], timing_file: Path) -> None:
     """Run the ablations in ``jobs`` one-thread ``refusion ablate`` processes, each logging to
     ``OUT/<name>/run.log``; record each one's wall time as it finishes."""
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from refusion.core.workers import Finished, Job, run_jobs
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    def record(f: Finished) -> None:
+        timings[f.name] = timings.get(f.name, 0.0) + f.wall_s
+        timing_file.write_text(json.dumps(timings, indent=1))
+        print(f"[results] {f.name}: {'done' if f.returncode == 0 else f'FAILED (exit {f.returncode})'} in "
+              f"{f.wall_s / 60:.1f} min (log: {f.log})", flush=True)
 
-    def one(name: str) -> tuple[str, float, int]:
-        (out / name).mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        with open(out / name / "run.log", "a") as log:
-            rc = subprocess.run(ablation_command(name, out / name, limit, resume, device), stdout=log,
-                                stderr=subprocess.STDOUT, env=env).returncode
-        return name, time.perf_counter() - t0, rc
-
-    failed = []
-    with ThreadPoolExecutor(jobs) as pool:
-        for fut in as_completed([pool.submit(one, n) for n in names]):
-            name, wall, rc = fut.result()
-            timings[name] = timings.get(name, 0.0) + wall
-            timing_file.write_text(json.dumps(timings, indent=1))
-            print(f"[results] {name}: {'done' if rc == 0 else f'FAILED (exit {rc})'} in {wall / 60:.1f} min "
-                  f"(log: {out / name / 'run.log'})", flush=True)
-            if rc:
-                failed.append(name)
+    work = [Job(n, ablation_command(n, out / n, limit, resume, device), out / n / "run.log") for n in names]
+    failed = [f.name for f in run_jobs(work, jobs, record) if f.returncode]
     if failed:
         raise RuntimeError(f"ablations failed: {failed}; see their run.log; rerun with --resume to continue")
 

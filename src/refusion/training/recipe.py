@@ -180,7 +180,7 @@ def run_recipe(
     # 3. fine-tuning --------------------------------------------------------------------------
     todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None]
     if jobs > 1 and len(todo) > 1:
-        log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/job-*.log)")
+        log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
         run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size)
     for name in objectives:
         stage = f"finetune-{name}"
@@ -203,33 +203,20 @@ def run_recipe(
 
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
                       batch_size: int, seed: int, train_limit: int | None, size: str = "tiny") -> None:
-    """Fine-tune ``objectives`` in ``jobs`` child recipes (1 thread each) on the finished pretraining.
+    """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
+    (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
+    and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
+    Raises if a worker fails (see its log)."""
+    from refusion.core.workers import Job, run_jobs
 
-    Measured on the 2-core development machine with the tiny model: a 1-thread worker trains at
-    ~1.8k tokens/s, one 2-thread process at ~3.3k, so two workers give ~1.1x the throughput; and a
-    process with more threads than free cores slows down several-fold (spin-waiting), so each worker
-    gets exactly one. Objectives are dealt out
-    round-robin in the given order; each worker writes its stages' ``stage.json`` as the sequential
-    recipe does, and the parent then collects them. Raises if a worker fails (see its log)."""
-    import subprocess
+    def cmd(objective: str) -> list[str]:
+        c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
+             "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
+             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--no-progress"]
+        return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
-    groups = [list(objectives[i::jobs]) for i in range(min(jobs, len(objectives)))]
-    procs = []
-    for i, group in enumerate(groups):
-        cmd = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", ",".join(group),
-               "--size", size,
-               "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
-               "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--no-progress"]
-        if train_limit is not None:
-            cmd += ["--train-limit", str(train_limit)]
-        log_file = open(out / "work" / f"job-{i}.log", "a")
-        procs.append((group, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                              env={**os.environ, "OMP_NUM_THREADS": "1"}), log_file))
-    failed = []
-    for group, proc, log_file in procs:
-        if proc.wait() != 0:
-            failed.append(f"{','.join(group)} (exit {proc.returncode}, log {log_file.name})")
-        log_file.close()
+    work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
+    failed = [f"{f.name} (exit {f.returncode}, log {f.log})" for f in run_jobs(work, jobs) if f.returncode]
     if failed:
         raise RuntimeError("fine-tune worker(s) failed: " + "; ".join(failed))
 
