@@ -14,9 +14,9 @@ answer states the fact, then walks the options in order, judging each, then name
 
     The capital of Dravonia is Marotin. (A) Kelu no, (B) Marotin yes, (C) Sabe no, (D) Tovira no. The answer is B.
 
-Why this shape: a 3.4M model learns the knowledge base (v2 `tiny-ar` stated the right value in 40 of 40
-validation questions) but not to find that value among the options and name its letter. Each step of the walk is
-easy for it: the next marker is the next letter, the option after it is copied from the query line
+Why this shape: a 3.4M model learns the knowledge base (v2 ``tiny-ar`` stated the right value in 40 of
+40 validation questions) but not to find that value among the options and name its letter. Each step
+of the walk is easy for it: the next marker is the next letter, the option after it is copied from the query line
 that starts with the same marker (one-token marker, then the value), the yes/no judgment is made on
 the value's own tokens, and the letter is the marker before the one "yes". Measured by fine-tuning
 the v2 base (``runs/recipe4/tiny-base``) with ``ar`` for 600 steps on facts alone and decoding 100
