@@ -88,11 +88,14 @@ def run_recipe(
     group_by_length: int = GROUP_BY_LENGTH,
     train_limit: int | None = None,
     jobs: int = 1,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
     ``jobs > 1`` runs the fine-tunes still to do in that many worker processes of one torch thread each
-    (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same."""
+    (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same.
+    ``device`` is the torch device every stage trains on (batches and their noise are drawn on the CPU
+    either way)."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -100,8 +103,9 @@ def run_recipe(
     from refusion.models.tokenizer import build_tinybench_tokenizer
     from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
     from refusion.training.data import load_pairs
-    from refusion.training.trainer import TrainConfig, Trainer
+    from refusion.training.trainer import TrainConfig, Trainer, training_device
 
+    training_device(device)  # a bad or absent device fails before any work
     P = pretrain_steps if pretrain_steps is not None else DEFAULT_PRETRAIN_STEPS
     F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
     out = Path(out)
@@ -112,7 +116,8 @@ def run_recipe(
     summary: dict[str, Any] = {
         "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "batch_size": batch_size,
         "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "group_by_length": group_by_length,
-        "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "stages": {},
+        "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "device": device,
+        "stages": {},
     }
     t_all = time.perf_counter()
 
@@ -152,7 +157,7 @@ def run_recipe(
         return TrainConfig(
             steps=steps, batch_size=batch_size, lr=lr, seed=seed, log_every=max(1, min(20, steps // 10)),
             save_every=max(1, min(100, steps // 4)), eval_every=max(1, steps // 5), eval_batch_size=128,
-            threads=threads, progress=progress, group_by_length=group_by_length,
+            threads=threads, progress=progress, group_by_length=group_by_length, device=device,
         )
 
     def train_stage(stage: str, model: Any, tok: Any, objective: Any, steps: int, lr: float, final: Path) -> dict:
@@ -181,7 +186,7 @@ def run_recipe(
     todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size)
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device)
     for name in objectives:
         stage = f"finetune-{name}"
         done = _stage_done(work / stage)
@@ -202,7 +207,8 @@ def run_recipe(
 
 
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
-                      batch_size: int, seed: int, train_limit: int | None, size: str = "tiny") -> None:
+                      batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
+                      device: str = "cpu") -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -212,7 +218,7 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
     def cmd(objective: str) -> list[str]:
         c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
-             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--no-progress"]
+             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device, "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -249,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jobs", type=int, default=1, help="fine-tune in this many 1-thread worker processes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device to train on: cpu (default), cuda, cuda:N")
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", action="store_true", help="print OUT's summary as a markdown table and exit")
@@ -258,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
-               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs)
+               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
+               device=a.device)
     return 0
 
 
