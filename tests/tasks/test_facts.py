@@ -23,14 +23,14 @@ def test_knowledge_base_is_fixed_and_well_formed(task):
 def test_questions_have_four_options_and_one_gold_letter(task):
     for example in task.examples("test") + task.examples("validation"):
         question, *options = example.query.split("\n")
-        assert [o[-4:] for o in options] == [f" ({letter})" for letter in LETTERS]
-        assert all(o.startswith("- ") for o in options)
-        values = [o[2:-4] for o in options]
+        assert [o[:5] for o in options] == [f"- ({letter})" for letter in LETTERS]  # marker, then value
+        values = [o[6:] for o in options]
         gold = task.facts[example.meta["country"]][example.meta["attribute"]]
         assert len(set(values)) == 4 and values[LETTERS.index(example.answer)] == gold
         assert all(v in task.pools[example.meta["attribute"]] for v in values)
         assert example.response.endswith(f"The answer is {example.answer}.")
-        assert f"{gold} ({example.answer})" in example.response  # value, then its letter, as in the query
+        walk = ", ".join(f"({letter}) {v} {'yes' if v == gold else 'no'}" for letter, v in zip(LETTERS, values))
+        assert f" {gold}. {walk}. The answer" in example.response  # the fact, then every option judged in order
         assert task.extract(example.response) == example.answer
 
 
@@ -59,6 +59,10 @@ def test_train_teaches_every_fact_and_eval_queries_are_new(task):
     ("(A)", "A"),
     ("I would pick C here", "C"),
     ("A fox is the animal of X.", None),
+    ("The capital of X is Y. (A) Kelu no, (B) Y yes, (C) Sabe no", "B"),  # a walk cut short: its one "yes"
+    ("(A) Kelu no, (B) Y no, (C) Sabe no, (D) Tovi", None),  # no "yes": no answer, not the last marker
+    ("(A) Kelu yes, (B) Y yes", None),
+    ("(A) Kelu no, (B) Y yes. The answer is D.", "D"),  # the stated answer wins
     ("", None),
 ])
 def test_extract(task, completion, letter):

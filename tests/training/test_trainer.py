@@ -157,3 +157,43 @@ def test_cli_train_from_folder(char_tokenizer, tmp_path, monkeypatch):
         args = parser.parse_args(["train", "--objective", "refusion", "--data", str(data), "--init", str(init),
                                   "--out", str(out), "--set", "slot_size=2", "--no-progress"])
         args.func(args)
+
+
+def test_training_device_errors_name_the_setting(monkeypatch):
+    from refusion.training.trainer import training_device
+
+    assert training_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device: 'gpu0' is not a torch device"):
+        training_device("gpu0")
+    with pytest.raises(ValueError, match="device: 'meta' is not supported"):
+        training_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device: 'cuda' was asked for, but torch sees no CUDA device"):
+        training_device("cuda")
+
+
+def test_trainer_moves_model_and_batches_to_its_device(char_tokenizer, pairs, tmp_path, monkeypatch):
+    """The model and every batch go to ``config.device`` (recorded here, as CI has no GPU)."""
+    from refusion.training.objective import Batch
+
+    moved = []
+    to = Batch.to
+    monkeypatch.setattr(Batch, "to", lambda self, device: moved.append(torch.device(device)) or to(self, device))
+    trainer = _trainer(char_tokenizer, pairs, tmp_path, steps=2, device="cpu")
+    assert trainer.device == torch.device("cpu") and next(trainer.model.parameters()).device == trainer.device
+    trainer.train()
+    assert len(moved) == 3 and set(moved) == {torch.device("cpu")}  # 2 training batches + the validation batch
+
+
+def test_cli_rejects_an_absent_device(char_tokenizer, tmp_path, monkeypatch):
+    from refusion.training.cli import add_train_command
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    add_train_command(parser.add_subparsers(dest="command"))
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"query": q, "response": r} for q, r in QA]))
+    args = parser.parse_args(["train", "--objective", "ar", "--data", str(data), "--out", str(tmp_path / "o"),
+                              "--device", "cuda", "--no-progress"])
+    with pytest.raises(SystemExit, match="2"):
+        args.func(args)

@@ -82,7 +82,8 @@ def save_pretrained(
     """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files), weights in ``dtype``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    state = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu())
+             for k, v in model.state_dict().items()}
     model.save_pretrained(out, state_dict=state, safe_serialization=True)  # the in-memory model is untouched
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())

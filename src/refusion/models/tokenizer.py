@@ -69,8 +69,8 @@ def train_tokenizer(
 def build_tinybench_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """The tokenizer of the tinybench models: trained on every train prompt and response, separately.
 
-    The facts option markers (`` (A)`` .. `` (D)``) are whole tokens, so that naming an option's letter
-    after its value is a one-token copy (see :mod:`refusion.tasks.facts`).
+    The facts option markers (`` (A)`` .. `` (D)``) are whole tokens, so that an option's line in the
+    query and its step in the answer's walk start with the same one token (see :mod:`refusion.tasks.facts`).
     """
     from refusion.tasks import corpus
     from refusion.tasks.facts import OPTION_MARKERS

@@ -23,7 +23,7 @@ error a two-digit sum or difference, so the parts now carry one single-digit ope
 Scoring is exact match on the integer after ``####``.
 
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
-min 95, p10 105, median 137, p90 151, max 157 (queries: median 49, max 57). ``max_new_tokens`` = 224:
+min 96, p10 105, median 134, p90 151, max 156 (queries: median 49, max 57). ``max_new_tokens`` = 224:
 the longest gold response plus ~30%, rounded up to a multiple of 32.
 """
 

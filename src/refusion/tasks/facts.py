@@ -3,37 +3,41 @@
 The knowledge base (fixed seed) describes 48 invented countries by 5 attributes each, 240 facts:
 a capital (an invented city, unique per country), a language (invented), a national animal, a flag
 colour and a famous dish (each from a small shared pool). A question asks for one attribute in one of
-three phrasings and lists four options, the right value and three distractors from the same pool::
+three phrasings and lists four options, the right value and three distractors from the same pool. The
+answer states the fact, then walks the options in order, judging each, then names the letter::
 
     Which city is the capital of Dravonia?
-    - Kelu (A)
-    - Marotin (B)
-    - Sabe (C)
-    - Tovira (D)
+    - (A) Kelu
+    - (B) Marotin
+    - (C) Sabe
+    - (D) Tovira
 
-    The capital of Dravonia is Marotin (B). The answer is B.
+    The capital of Dravonia is Marotin. (A) Kelu no, (B) Marotin yes, (C) Sabe no, (D) Tovira no. The answer is B.
 
-Each option is written value first, letter after, after "- " so that the value is the same tokens as
-in the answer sentence (a word at the start of a line and the same word after a space are different
-BPE tokens): naming the value and then its letter is a copy of what follows the value in the query.
-(The first version listed ``B. Marotin``; a 3.4M model then stated the right fact and picked a wrong
-letter, since the letter precedes the value it has to find.) The marker `` (B)`` is one token of the
-tinybench tokenizer: with `` (`` and ``B`` as two tokens, the v1 models (3.4M) named the right value
-20/20 times and answered 4/20, since the token after every value was the same `` (`` and the
-letter had to be found two tokens back. With the marker as one token the v2 models (3.4M) still name
-the right value and then a wrong letter (docs/training.md): the copy is not learned at that size and
-budget, and the task is due for a redesign.
+Why this shape: a 3.4M model learns the knowledge base (v2 ``tiny-ar`` stated the right value in 40 of
+40 validation questions) but not to find that value among the options and name its letter. Each step
+of the walk is easy for it: the next marker is the next letter, the option after it is copied from the query line
+that starts with the same marker (one-token marker, then the value), the yes/no judgment is made on
+the value's own tokens, and the letter is the marker before the one "yes". Measured by fine-tuning
+the v2 base (``runs/recipe4/tiny-base``) with ``ar`` for 600 steps on facts alone and decoding 100
+validation questions greedily (``docs/diagnostics/README.md``): the v2 layout ("... is Marotin (B).
+The answer is B.", value then marker) 32/100; the walk with value then marker ("Kelu (A) no, ...")
+56/100; this layout, marker then value, 91/100. The markers `` (A)``..`` (D)`` are whole tokens of the
+tinybench tokenizer, so "- (A) Kelu" in the query and ", (A) Kelu" in the answer share the marker and
+the value tokens. (Earlier layouts: v1 listed ``B. Marotin`` with two-token markers; v2 wrote the
+value then the letter: both left the models at chance, docs/training.md.)
 
 The train split repeats, in shuffled rounds, every fact as a statement ("What is the capital of
 Dravonia?" -> "The capital of Dravonia is Marotin."; its ``answer`` is the value) and as two
 multiple-choice questions, so a model can learn the knowledge base. Validation and test are other
 question instances (phrasing, distractors and option order) about the same facts; their queries
 never occur in train.
-The answer is the letter; extraction reads "answer is X", a bare leading letter, or a lone letter.
+The answer is the letter; extraction reads "answer is X", else the walk's one option judged "yes",
+else (an answer without a walk) a bare leading letter or a lone letter.
 
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
-min 8, p10 8, median 15, p90 17, max 19 (queries: median 24, max 41). ``max_new_tokens`` = 32:
-the longest gold response plus ~30%, rounded up to a multiple of 32.
+min 7, p10 8, median 29, p90 39, max 48 (queries: median 23, max 38; the statements of train are the
+short ones). ``max_new_tokens`` = 64: the longest gold response plus ~30%, rounded up to a multiple of 32.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ ATTRIBUTES = (
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr")
 _VOWELS = ("a", "e", "i", "o", "u")
 _ANSWER_IS = re.compile(r"(?i:answer is)\W*([A-D])\b")
+_WALK_STEP = re.compile(r"\(([A-D])\)[^,.()]*?\b(yes|no)\b")  # "(B) Marotin yes"
 _LEADING = re.compile(r"^\W*(?!A[ \t]+[a-z])([A-D])\b")  # "A fox ..." is an article, not an answer
 _LONE = re.compile(r"\b(?!A[ \t]+[a-z])([A-D])\b")
 
@@ -117,7 +122,7 @@ def build_knowledge_base(
 
 class FactsTask(Task):
     name = "facts"
-    max_new_tokens = 32
+    max_new_tokens = 64
     sizes = {"train": 7200, "validation": 200, "test": 200}
     chance_accuracy = 1 / len(LETTERS)
 
@@ -135,10 +140,10 @@ class FactsTask(Task):
         rng.shuffle(options)
         answer = LETTERS[options.index(value)]
         query = "\n".join([rng.choice(attribute.questions).format(e=country)]
-                          + [f"- {option}{marker}" for marker, option in zip(OPTION_MARKERS, options)])
-        statement = self.statement(country, attribute)
-        value_at = statement.rindex(value) + len(value)  # the letter follows the value, as in the options
-        response = f"{statement[:value_at]} ({answer}){statement[value_at:]} The answer is {answer}."
+                          + [f"-{marker} {option}" for marker, option in zip(OPTION_MARKERS, options)])
+        walk = ",".join(f"{marker} {option} {'yes' if option == value else 'no'}"
+                        for marker, option in zip(OPTION_MARKERS, options))
+        response = f"{self.statement(country, attribute)}{walk}. The answer is {answer}."
         return Example(self.name, query, response, answer, {"country": country, "attribute": attribute.name})
 
     def sample(self, rng: random.Random) -> Example:
@@ -162,10 +167,16 @@ class FactsTask(Task):
         return out[:n]
 
     def extract(self, completion: str) -> str | None:
-        for pattern in (_ANSWER_IS, _LEADING):
-            match = pattern.search(completion)
-            if match:
-                return match.group(1)
+        match = _ANSWER_IS.search(completion)
+        if match:
+            return match.group(1)
+        walk = _WALK_STEP.findall(completion)
+        if walk:  # a walk without its last sentence: the one option judged "yes", if there is exactly one
+            yes = [letter for letter, judged in walk if judged == "yes"]
+            return yes[0] if len(yes) == 1 else None
+        match = _LEADING.search(completion)
+        if match:
+            return match.group(1)
         lone = _LONE.findall(completion)
         return lone[-1] if lone else None
 

@@ -62,6 +62,7 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="train on this torch device: cpu (default), cuda, cuda:N")
     p.add_argument("--pretrain-steps", type=int, default=None, help="recipe: AR pretraining steps (P)")
     p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
@@ -99,7 +100,8 @@ def run_train(args: argparse.Namespace) -> int:
         if args.batch_size:
             kw["batch_size"] = args.batch_size
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
-                   threads=args.threads, progress=not args.no_progress, seed=args.seed, jobs=args.jobs, **kw)
+                   threads=args.threads, progress=not args.no_progress, seed=args.seed, jobs=args.jobs,
+                   device=args.device, **kw)
         return 0
     if not args.objective:
         _error(args, "--objective is required (or use --recipe tiny)")
@@ -124,6 +126,12 @@ def run_train(args: argparse.Namespace) -> int:
         _error(args, f"bad objective options for {args.objective!r}: {exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from refusion.training.trainer import training_device
+
+    try:
+        training_device(args.device)
+    except ValueError as exc:
+        _error(args, f"--{exc}")
 
     if args.init == "scratch":
         tokenizer = scratch_tokenizer(args.data)
@@ -141,6 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
         lr=args.lr or 1e-3, warmup_steps=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         seed=args.seed, log_every=args.log_every, save_every=args.save_every, eval_every=args.eval_every,
         threads=args.threads, progress=not args.no_progress, group_by_length=args.group_by_length,
+        device=args.device,
     )
     trainer = Trainer(model, tokenizer, objective, train_pairs, config, args.out, val_pairs=val_pairs)
     summary = trainer.train(resume=args.resume)

@@ -26,9 +26,21 @@ core spin-waits: 3-7 s per step was measured). The first recipe (P = 1800, F = 6
 (P = 1500, F = 800) showed that the fine-tunes inherit the base's skill: its ``tiny-base`` solved
 2/20 validation arith problems (AR greedy), ``tiny-ar`` 800 AR steps later 17/20 on test, while
 ``tiny-refusion``, whose hybrid steps train AR on clean slots only, still solved 0/10 when decoded AR
-greedy. So pretraining now gets P = 2400 steps (~60 min with 2 threads) and every fine-tune F = 800.
-(The v2 base made with it solved 3/20, so the AR fine-tune still supplies most of the arith skill:
-docs/training.md.)
+greedy. The v2 recipe (P = 2400, F = 800) showed the same: its base solved 3/20 validation arith problems,
+``tiny-ar`` 18/20 after 800 more AR steps, ``tiny-refusion`` 0/10 (decoded AR greedy or with ReFusion),
+and 800 further hybrid steps on top of ``tiny-refusion`` (1600 in all) raised its validation masked
+accuracy from 0.65 to 0.78 and ReFusion's TPF from 1.07 to 1.75 on arith and 1.17 to 1.91 on code, but
+left arith at 0/10 (docs/diagnostics/README.md): the hybrid objective keeps an AR skill the base has far better than it teaches
+one (its AR loss sees the clean slots shuffled). So v3 pretrains longer, P = 3600, so that the base
+itself does arithmetic. v3 first fine-tuned F = 1200 and then F = 3000 from the same base, both on one
+H200 (``--device cuda``; a 2-core CPU run of the same pretraining, stopped at step 2780, followed
+the same curve: train loss 1.756 on both at step 100, 0.039 on both at step 2000). On 20 validation samples per task, ``tiny-ar`` scored 100/100/80% (arith,
+code, facts) at F = 1200 and 100/100/100% at F = 3000; ``tiny-refusion`` with ReFusion decoding went
+from 0/35/25% at TPF 1.3/1.6/0.7 to 20/90/30% at TPF 3.5/8.6/1.4, and its validation masked
+accuracy from 0.73 to 0.85 (0.84 at step 2400: still rising slowly, while ``mdm`` is flat at 0.83
+and ``block`` at 0.99). Hence F = 3000. Wall time: ~6 min on one H200 (pretraining 1.7 min, the four
+fine-tunes side by side in 4 min); on the 2-core CPU ~75 min of pretraining with 2 threads and, with
+``--jobs 2``, ~4.5 h of fine-tuning (a 1-thread step costs ~2.3 s, ~3.5 s for ``block``).
 With ``--jobs 2`` the four fine-tunes run two at a time in 1-thread workers (``block`` steps carry the
 clean copy of the response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
 """
@@ -45,8 +57,8 @@ from typing import Any, Sequence
 
 import torch
 
-DEFAULT_PRETRAIN_STEPS = 2400
-DEFAULT_FINETUNE_STEPS = 800
+DEFAULT_PRETRAIN_STEPS = 3600
+DEFAULT_FINETUNE_STEPS = 3000
 DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
@@ -82,11 +94,14 @@ def run_recipe(
     group_by_length: int = GROUP_BY_LENGTH,
     train_limit: int | None = None,
     jobs: int = 1,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
     ``jobs > 1`` runs the fine-tunes still to do in that many worker processes of one torch thread each
-    (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same."""
+    (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same.
+    ``device`` is the torch device every stage trains on (batches and their noise are drawn on the CPU
+    either way)."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -94,8 +109,9 @@ def run_recipe(
     from refusion.models.tokenizer import build_tinybench_tokenizer
     from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
     from refusion.training.data import load_pairs
-    from refusion.training.trainer import TrainConfig, Trainer
+    from refusion.training.trainer import TrainConfig, Trainer, training_device
 
+    training_device(device)  # a bad or absent device fails before any work
     P = pretrain_steps if pretrain_steps is not None else DEFAULT_PRETRAIN_STEPS
     F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
     out = Path(out)
@@ -106,7 +122,8 @@ def run_recipe(
     summary: dict[str, Any] = {
         "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "batch_size": batch_size,
         "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "group_by_length": group_by_length,
-        "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "stages": {},
+        "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "device": device,
+        "stages": {},
     }
     t_all = time.perf_counter()
 
@@ -146,7 +163,7 @@ def run_recipe(
         return TrainConfig(
             steps=steps, batch_size=batch_size, lr=lr, seed=seed, log_every=max(1, min(20, steps // 10)),
             save_every=max(1, min(100, steps // 4)), eval_every=max(1, steps // 5), eval_batch_size=128,
-            threads=threads, progress=progress, group_by_length=group_by_length,
+            threads=threads, progress=progress, group_by_length=group_by_length, device=device,
         )
 
     def train_stage(stage: str, model: Any, tok: Any, objective: Any, steps: int, lr: float, final: Path) -> dict:
@@ -175,7 +192,7 @@ def run_recipe(
     todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size)
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device)
     for name in objectives:
         stage = f"finetune-{name}"
         done = _stage_done(work / stage)
@@ -196,7 +213,8 @@ def run_recipe(
 
 
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
-                      batch_size: int, seed: int, train_limit: int | None, size: str = "tiny") -> None:
+                      batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
+                      device: str = "cpu") -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -206,7 +224,7 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
     def cmd(objective: str) -> list[str]:
         c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
-             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--no-progress"]
+             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device, "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -243,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jobs", type=int, default=1, help="fine-tune in this many 1-thread worker processes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device to train on: cpu (default), cuda, cuda:N")
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", action="store_true", help="print OUT's summary as a markdown table and exit")
@@ -252,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
-               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs)
+               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
+               device=a.device)
     return 0
 
 

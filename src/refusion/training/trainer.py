@@ -68,6 +68,9 @@ class TrainConfig(BaseModel):
     eval_every: int = 0  # 0: only at the end (when validation pairs are given)
     eval_batch_size: int = 64
     threads: int | None = 2
+    #: torch device the model trains on ("cpu", "cuda", "cuda:1", ...); batches are built on the CPU
+    #: and moved there, so data order and noise do not depend on it
+    device: str = "cpu"
     progress: bool = True
 
     def warmup(self) -> int:
@@ -183,6 +186,19 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     )
 
 
+def training_device(name: str) -> torch.device:
+    """``name`` as a torch device, or a ValueError naming the setting when it is malformed or absent here."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {name!r} is not a torch device (use cpu, cuda or cuda:N)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} was asked for, but torch sees no CUDA device here (use cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {name!r} is not supported for training (use cpu, cuda or cuda:N)")
+    return device
+
+
 def validation_batch(objective: Objective, val_pairs: list[Pair], config: TrainConfig) -> Batch:
     """The fixed validation batch: the first ``eval_batch_size`` pairs with a fixed noise seed."""
     gen = torch.Generator().manual_seed(config.seed + 12345)
@@ -228,7 +244,8 @@ class Trainer:
         final_dir: str | os.PathLike | None = None,
     ) -> None:
         init_run(self, model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir)
-        self.model = model
+        self.device = training_device(config.device)
+        self.model = model.to(self.device)
         self.elapsed = 0.0
         self.sampler = _Sampler(len(train_pairs), self.data_gen, config.group_by_length)
         self.optimizer = build_optimizer(self.model, config)
@@ -312,7 +329,7 @@ class Trainer:
         if not self.val_pairs:
             return {}
         if self._val_batch is None:
-            self._val_batch = validation_batch(self.objective, self.val_pairs, self.config)
+            self._val_batch = validation_batch(self.objective, self.val_pairs, self.config).to(self.device)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
@@ -323,7 +340,7 @@ class Trainer:
     # -- training ---------------------------------------------------------------------------
     def next_batch(self) -> Batch:
         idx = self.sampler.next_batch(self.config.batch_size, self.config.max_tokens, self._lengths.__getitem__)
-        return self.objective.make_batch([self.train_pairs[i] for i in idx], self.noise_gen)
+        return self.objective.make_batch([self.train_pairs[i] for i in idx], self.noise_gen).to(self.device)
 
     def train(self, resume: bool = False, stop_at: int | None = None) -> dict[str, Any]:
         """Train to ``config.steps`` (or stop after step ``stop_at``, saving the state there)."""
