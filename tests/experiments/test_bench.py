@@ -63,3 +63,16 @@ def test_summarize_speedup():
     assert rows["ar"]["accuracy"] == 0.5 and rows["refusion"]["accuracy"] == 1.0
     assert rows["refusion"]["speedup"] == pytest.approx(2.0)
     assert rows["refusion"]["tpf"] == pytest.approx(2.5)
+
+
+def test_model_override_replaces_one_decoders_model(tmp_path, bench_config):
+    from refusion.core.config import ConfigError
+    from refusion.experiments.bench import load_bench_config, with_models
+
+    cfg = load_bench_config(bench_config)
+    other = with_models(cfg, ["ar=runs/recipe/tiny-base"])
+    assert other.models == {**cfg.models, "ar": "runs/recipe/tiny-base"} and cfg.models["ar"] != "runs/recipe/tiny-base"
+    with pytest.raises(ConfigError, match="--model expects DECODER=FOLDER"):
+        with_models(cfg, ["runs/recipe/tiny-base"])
+    with pytest.raises(ConfigError, match="no decoder 'block' in the bench config; configured: ar, refusion"):
+        with_models(cfg, ["block=tiny-block"])

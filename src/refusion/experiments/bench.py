@@ -43,6 +43,20 @@ def load_bench_config(path: str | Path | None = None) -> BenchConfig:
         raise ConfigError(f"bench config {p}: {e}") from None
 
 
+def with_models(cfg: BenchConfig, items: list[str]) -> BenchConfig:
+    """``cfg`` with ``DECODER=FOLDER`` items (``--model``) replacing those decoders' models."""
+    models = dict(cfg.models)
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not (sep and name.strip() and folder.strip()):
+            raise ConfigError(f"--model expects DECODER=FOLDER (e.g. ar=runs/recipe/tiny-base), got {item!r}")
+        if name.strip() not in models:
+            raise ConfigError(f"--model {item!r}: no decoder {name.strip()!r} in the bench config; "
+                              f"configured: {', '.join(cfg.models)}")
+        models[name.strip()] = folder.strip()
+    return cfg.model_copy(update={"models": models})
+
+
 def bench_runs(cfg: BenchConfig, decoders: list[str], tasks: list[str], overrides: list[str] = ()) -> list[Run]:
     from refusion.tasks import get_task
 
@@ -83,8 +97,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, out: Path, split: str = "test",
               config: str | None = None, overrides: list[str] = (), resume: bool = False,
-              device: str = "cpu") -> list[dict[str, Any]]:
-    cfg = load_bench_config(config)
+              device: str = "cpu", models: list[str] = ()) -> list[dict[str, Any]]:
+    cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides)
     records = evaluate(runs, tasks, split, limit, out, resume=resume, device=device, desc="bench")
     rows = summarize(records, runs, baseline="ar")
@@ -104,6 +118,8 @@ def add_bench_command(sub) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder (samples.jsonl, results.json, plots)")
     p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
+    p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
+                   help="run DECODER on this model folder or checkpoint name instead of the configured one")
     p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_bench)
@@ -112,7 +128,7 @@ def add_bench_command(sub) -> None:
 def cmd_bench(a) -> int:
     out = Path(a.out)
     rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
-                     a.limit or None, out, a.split, a.config, a.set, a.resume, a.device)
+                     a.limit or None, out, a.split, a.config, a.set, a.resume, a.device, a.model)
     for r in rows:
         r["speedup"] = r["speedup_vs_ar"]
     print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task)")
