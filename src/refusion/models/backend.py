@@ -134,7 +134,11 @@ class Backbone:
     def forward(
         self, ids: Tensor, pos: Tensor, cache: DynamicCache | None, keep_kv: bool = True, attn_mask: Tensor | None = None
     ) -> Tensor:
-        """Logits ``[B, T, V]`` (float32) of ``ids [B, T]`` at positions ``pos [B, T]`` after ``cache``.
+        """Logits ``[B, T, V]`` (float32, on the CPU) of ``ids [B, T]`` at positions ``pos [B, T]`` after ``cache``.
+
+        The inputs may live anywhere; the model and the cache stay on ``self.device``. Logits come back on
+        the CPU, where every decoder keeps its bookkeeping and its seeded ``torch.Generator``: one
+        device-to-host copy per forward (the finiteness check below synchronises anyway).
 
         With ``keep_kv`` the new tokens' KV stays in ``cache`` (appended after its current length);
         without, the cache is cropped back to its length before the call. ``attn_mask``: a 4D float additive
@@ -159,7 +163,7 @@ class Backbone:
         self.tokens_in += ids.numel()
         if cache is not None and not keep_kv:
             self.crop(cache, past)
-        logits = out.logits.float()
+        logits = out.logits.float().cpu()  # a no-op on the CPU
         if not torch.isfinite(logits).all():
             raise NonFiniteLogitsError(
                 f"forward {self.nfe} produced NaN/inf logits (dtype {self.model.dtype}); check the checkpoint "
