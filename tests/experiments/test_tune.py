@@ -33,14 +33,16 @@ def test_printed_block_is_valid_bench_yaml(tmp_path, capsys):
     from refusion.experiments.bench import load_bench_config
     from refusion.experiments.tune import main
 
-    knobs = {"slot_size": 4, "serial_blocks": 2, "verifier.token_threshold": 0.3, "correct": True}
+    knobs = {"slot_size": 4, "serial_blocks": 2, "verifier.token_threshold": 0.3, "selector.slot_threshold": 0.99}
     rows = [r("arith", "ar", 0.9, 100), r("arith", "g", 0.9, 200, **knobs)]
     (tmp_path / "results.json").write_text(json.dumps(rows))
     assert main([str(tmp_path)]) == 0
     block = yaml.safe_load(capsys.readouterr().out)
-    assert block["tasks"]["arith"]["refusion"] == {
-        "slot_size": 4, "serial_blocks": 2, "verifier": {"token_threshold": 0.3}, "correct": True}
+    assert block["tasks"]["arith"]["refusion"] == {  # the grid's shared setting (correct) and the axes
+        "correct": True, "slot_size": 4, "serial_blocks": 2, "verifier": {"token_threshold": 0.3},
+        "selector": {"slot_threshold": 0.99}}
     bench = load_bench_config().model_copy(update=block)
     cfg = bench.decoder_config("arith", "refusion", 224)
     assert cfg["verifier"]["token_threshold"] == 0.3 and cfg["verifier"]["name"] == "prefix" and cfg["correct"] is True
     assert cfg["slot_size"] == 4 and cfg["serial_blocks"] == 2
+    assert cfg["selector"] == {"name": "threshold", "slot_threshold": 0.99}  # merged into the shared selector

@@ -3,7 +3,8 @@
 Rule (docs/bench.md): per task, the fastest run (tokens/s) whose validation accuracy is within
 ``tolerance`` of the baseline's (AR greedy, same run); if none is, the most accurate run (ties: the
 faster). ``python -m refusion.experiments.tune runs/ablate/tune_refusion`` prints the picks and the
-``tasks:`` block to paste into ``configs/bench.yaml``.
+``tasks:`` block to paste into ``configs/bench.yaml``: the grid's shared ``set`` values and the chosen
+run's axis values.
 """
 
 from __future__ import annotations
@@ -37,23 +38,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m refusion.experiments.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", help="the tuning ablation's output folder (with results.json)")
-    p.add_argument("--config", default="tune_refusion.yaml", help="the grid's ablation config (its axes are the knobs)")
+    p.add_argument("--config", default="tune_refusion.yaml",
+                   help="the grid's ablation config (its shared settings and axes are the knobs)")
     p.add_argument("--baseline", default="ar")
     p.add_argument("--tolerance", type=float, default=0.02, help="accuracy below the baseline allowed (0-1)")
     a = p.parse_args(argv)
     rows = json.loads((Path(a.folder) / "results.json").read_text())
     chosen = pick(rows, a.baseline, a.tolerance)
     base = {r["task"]: r for r in rows if r["run"] == a.baseline}
-    axes = list(load_ablation(a.config).grid.axes)
+    grid = load_ablation(a.config).grid
     print("tasks:")
     for task, r in chosen.items():
         knobs: dict[str, Any] = {}
-        for key in axes:  # dotted keys nest, as bench.yaml's task overrides expect
+        settings = [*grid.set.items(), *((key, r[key]) for key in grid.axes)]  # the grid's shared settings too
+        for key, value in settings:  # dotted keys nest, as bench.yaml's task overrides expect
             *parents, leaf = key.split(".")
             node = knobs
             for part in parents:
                 node = node.setdefault(part, {})
-            node[leaf] = r[key]
+            node[leaf] = value
         print(f"  {task}:  # {r['run']}: acc {100 * r['accuracy']:.0f}% vs {a.baseline} "
               f"{100 * base[task]['accuracy']:.0f}%, {r['tokens_per_second']:.1f} tok/s, TPF {r['tpf']:.2f}")
         print(f"    refusion: {json.dumps(knobs)}")
