@@ -309,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator.is_main_process:
         print(json.dumps(summary, default=str))
         (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    # A barrier drains gloo's work queue before exit: otherwise the DDP reducer, freed at interpreter
+    # teardown with the GIL held, joins gloo's worker thread while that thread waits for the GIL to free
+    # the last all-gather's tensors (a deadlock seen in about half of the 2-process CPU runs here).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0
 
