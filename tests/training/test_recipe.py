@@ -22,3 +22,17 @@ def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
     assert again["stages"] == stages
     table = report(out)
     assert "| finetune-refusion | refusion | 1 |" in table and "| pretrain | ar | 2 |" in table
+
+
+def test_fine_tune_workers_get_the_recipes_device(tmp_path, monkeypatch):
+    """Each worker's command carries the recipe's device (the GPU run of the shipped checkpoints used it)."""
+    from refusion.core import workers
+    from refusion.training.recipe import run_finetune_jobs
+
+    seen = []
+    monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
+    run_finetune_jobs(tmp_path, ["refusion", "block"], 2, 10, 5, 4, 0, None, "micro", device="cuda:1")
+    assert [j.name for j in seen] == ["refusion", "block"]
+    for job in seen:
+        i = job.cmd.index("--device")
+        assert job.cmd[i + 1] == "cuda:1" and job.cmd[job.cmd.index("--objectives") + 1] == job.name
