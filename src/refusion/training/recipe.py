@@ -30,17 +30,18 @@ greedy. The v2 recipe (P = 2400, F = 800) showed the same: its base solved 3/20 
 ``tiny-ar`` 18/20 after 800 more AR steps, ``tiny-refusion`` 0/10 (decoded AR greedy or with ReFusion),
 and 800 further hybrid steps on top of ``tiny-refusion`` (1600 in all) raised its validation masked
 accuracy from 0.65 to 0.78 and ReFusion's TPF from 1.07 to 1.75 on arith and 1.17 to 1.91 on code, but
-left arith at 0/10 (docs/diagnostics/README.md): the hybrid objective keeps an AR skill the base has far better than it teaches
-one (its AR loss sees the clean slots shuffled). So v3 pretrains longer, P = 3600, so that the base
-itself does arithmetic. v3 first fine-tuned F = 1200 and then F = 3000 from the same base, both on one
-H200 (``--device cuda``; a 2-core CPU run of the same pretraining, stopped at step 2780, followed
-the same curve: train loss 1.756 on both at step 100, 0.039 on both at step 2000). On 20 validation samples per task, ``tiny-ar`` scored 100/100/80% (arith,
-code, facts) at F = 1200 and 100/100/100% at F = 3000; ``tiny-refusion`` with ReFusion decoding went
-from 0/35/25% at TPF 1.3/1.6/0.7 to 20/90/30% at TPF 3.5/8.6/1.4, and its validation masked
-accuracy from 0.73 to 0.85 (0.84 at step 2400: still rising slowly, while ``mdm`` is flat at 0.83
-and ``block`` at 0.99). Hence F = 3000. Wall time: ~6 min on one H200 (pretraining 1.7 min, the four
-fine-tunes side by side in 4 min); on the 2-core CPU ~75 min of pretraining with 2 threads and, with
-``--jobs 2``, ~4.5 h of fine-tuning (a 1-thread step costs ~2.3 s, ~3.5 s for ``block``).
+left arith at 0/10 (docs/diagnostics/README.md): the hybrid objective keeps an AR skill the base has far
+better than it teaches one (its AR loss sees the clean slots shuffled). So v3 pretrains longer, P = 3600,
+so that the base itself does arithmetic. v3 first fine-tuned F = 1200 and then F = 3000 from the same
+base, both on one H200 (``--device cuda``; a 2-core CPU run of the same pretraining, stopped at step
+2780, followed the same curve: train loss 1.756 on both at step 100, 0.039 on both at step 2000). On 20
+validation samples per task, ``tiny-ar`` scored 100/100/80% (arith, code, facts) at F = 1200 and
+100/100/100% at F = 3000; ``tiny-refusion`` with ReFusion decoding went from 0/35/25% at TPF 1.3/1.6/0.7
+to 20/90/30% at TPF 3.5/8.6/1.4, and its validation masked accuracy from 0.73 to 0.85 (0.84 at step 2400:
+still rising slowly, while ``mdm`` is flat at 0.83 and ``block`` at 0.99). Hence F = 3000. Wall time: ~6
+min on one H200 (pretraining 1.7 min, the four fine-tunes side by side in 4 min); on the 2-core CPU ~75
+min of pretraining with 2 threads and, with ``--jobs 2``, ~4.5 h of fine-tuning (a 1-thread step costs
+~2.3 s, ~3.5 s for ``block``).
 With ``--jobs 2`` the four fine-tunes run two at a time in 1-thread workers (``block`` steps carry the
 clean copy of the response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
 """
