@@ -33,16 +33,21 @@ def test_printed_block_is_valid_bench_yaml(tmp_path, capsys):
     from refusion.experiments.bench import load_bench_config
     from refusion.experiments.tune import main
 
-    knobs = {"slot_size": 4, "serial_blocks": 2, "verifier.token_threshold": 0.3, "selector.slot_threshold": 0.99}
+    knobs = {"scorer": "mean_prob", "serial_blocks": 2, "verifier.token_threshold": 0.3,
+             "selector.slot_threshold": 0.99}
+    grid = {"name": "g", "title": "t", "tasks": ["arith"], "runs": [{"label": "ar", "decoder": "ar"}],
+            "grid": {"decoder": "refusion", "set": {"correct": True, "slot_size": 4},
+                     "axes": {k: [v] for k, v in knobs.items()}}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
     rows = [r("arith", "ar", 0.9, 100), r("arith", "g", 0.9, 200, **knobs)]
     (tmp_path / "results.json").write_text(json.dumps(rows))
-    assert main([str(tmp_path)]) == 0
+    assert main([str(tmp_path), "--config", str(tmp_path / "grid.yaml")]) == 0
     block = yaml.safe_load(capsys.readouterr().out)
-    assert block["tasks"]["arith"]["refusion"] == {  # the grid's shared setting (correct) and the axes
-        "correct": True, "slot_size": 4, "serial_blocks": 2, "verifier": {"token_threshold": 0.3},
-        "selector": {"slot_threshold": 0.99}}
+    assert block["tasks"]["arith"]["refusion"] == {  # the grid's shared settings and the axes
+        "correct": True, "slot_size": 4, "scorer": "mean_prob", "serial_blocks": 2,
+        "verifier": {"token_threshold": 0.3}, "selector": {"slot_threshold": 0.99}}
     bench = load_bench_config().model_copy(update=block)
     cfg = bench.decoder_config("arith", "refusion", 224)
     assert cfg["verifier"]["token_threshold"] == 0.3 and cfg["verifier"]["name"] == "prefix" and cfg["correct"] is True
-    assert cfg["slot_size"] == 4 and cfg["serial_blocks"] == 2
+    assert cfg["slot_size"] == 4 and cfg["serial_blocks"] == 2 and cfg["scorer"] == "mean_prob"
     assert cfg["selector"] == {"name": "threshold", "slot_threshold": 0.99}  # merged into the shared selector
