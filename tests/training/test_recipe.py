@@ -7,13 +7,16 @@ from refusion.training.recipe import SUMMARY_FILE, report, run_recipe
 
 def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
     out = tmp_path / "recipe"
-    kw = dict(pretrain_steps=2, finetune_steps=1, batch_size=4, size="micro", objectives=("refusion", "ar"),
-              threads=1, progress=False, train_limit=48, jobs=2)
+    kw = dict(pretrain_steps=2, finetune_steps=1, refine_steps=2, batch_size=4, size="micro",
+              objectives=("refusion", "ar"), threads=1, progress=False, train_limit=48, jobs=2)
     summary = run_recipe(out, **kw)
     stages = summary["stages"]
-    assert list(stages) == ["tokenizer", "pretrain", "finetune-refusion", "finetune-ar"]
-    assert [stages[s]["steps"] for s in ("pretrain", "finetune-refusion", "finetune-ar")] == [2, 1, 1]
+    assert list(stages) == ["tokenizer", "pretrain", "finetune-refusion", "refine-refusion", "finetune-ar", "refine-ar"]
+    assert [stages[s]["steps"] for s in ("pretrain", "finetune-refusion", "refine-refusion")] == [2, 1, 2]
     assert "masked_acc" in stages["finetune-refusion"]["eval"]  # diffusion objectives report masked accuracy
+    for name in ("refusion", "ar"):  # the refine stage starts from the kept F-step model, ends in micro-<name>
+        assert (out / "work" / f"finetune-{name}" / "model" / "model.safetensors").is_file()
+        assert stages[f"refine-{name}"]["output"] == str(out / f"micro-{name}")
     for name in ("micro-base", "micro-refusion", "micro-ar"):
         assert (out / name / "model.safetensors").is_file() and (out / name / "tokenizer.json").is_file()
     assert sorted(p.name for p in (out / "work").glob("finetune-*.log")) == ["finetune-ar.log", "finetune-refusion.log"]
@@ -22,6 +25,7 @@ def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
     assert again["stages"] == stages
     table = report(out)
     assert "| finetune-refusion | refusion | 1 |" in table and "| pretrain | ar | 2 |" in table
+    assert "| refine-ar | ar | 2 |" in table
 
 
 def test_fine_tune_workers_get_the_recipes_device(tmp_path, monkeypatch):

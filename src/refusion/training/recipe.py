@@ -10,6 +10,9 @@ stage resumes from its ``trainer_state.pt``):
 3. ``finetune-<obj>`` for ``refusion``, ``ar``, ``mdm``, ``block``: each starts from the SAME
    ``tiny-base`` checkpoint and trains F steps on the same data, batch size and learning-rate schedule
    -> ``OUT/tiny-<obj>``;
+   With ``--refine-steps R`` (default 0), ``refine-<obj>`` then trains each R more steps under a fresh
+   schedule (peak lr 5e-4, 100 warmup steps, data order seeded ``seed + 1``) -> ``OUT/tiny-<obj>``, the
+   F-step model kept in ``OUT/work/finetune-<obj>/model``;
 4. ``OUT/recipe_summary.json``: per stage wall time, steps, batch size, lr, params, final train
    metrics and validation metrics (``masked_acc`` for diffusion objectives), rewritten after every stage.
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -63,6 +67,9 @@ DEFAULT_FINETUNE_STEPS = 3000
 DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
+DEFAULT_REFINE_STEPS = 0
+REFINE_LR = 5e-4
+REFINE_WARMUP = 100
 GROUP_BY_LENGTH = 64
 OBJECTIVES = ("refusion", "ar", "mdm", "block")
 SUMMARY_FILE = "recipe_summary.json"
@@ -96,13 +103,17 @@ def run_recipe(
     train_limit: int | None = None,
     jobs: int = 1,
     device: str = "cpu",
+    refine_steps: int | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
     ``jobs > 1`` runs the fine-tunes still to do in that many worker processes of one torch thread each
     (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same.
     ``device`` is the torch device every stage trains on (batches and their noise are drawn on the CPU
-    either way)."""
+    either way). ``refine_steps`` R > 0 adds a stage ``refine-<obj>`` after each fine-tune: R more steps
+    of the same objective from the fine-tuned model, under a fresh schedule (peak ``REFINE_LR``,
+    ``REFINE_WARMUP`` warmup steps, data order seeded ``seed + 1``); the F-step model is kept in
+    ``OUT/work/finetune-<obj>/model`` and ``OUT/<size>-<obj>`` becomes the refined one."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -115,14 +126,16 @@ def run_recipe(
     training_device(device)  # a bad or absent device fails before any work
     P = pretrain_steps if pretrain_steps is not None else DEFAULT_PRETRAIN_STEPS
     F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
+    R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     if threads:
         torch.set_num_threads(threads)
     summary: dict[str, Any] = {
-        "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "batch_size": batch_size,
-        "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "group_by_length": group_by_length,
+        "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "refine_steps": R,
+        "batch_size": batch_size, "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "refine_lr": REFINE_LR,
+        "group_by_length": group_by_length,
         "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "device": device,
         "stages": {},
     }
@@ -160,15 +173,16 @@ def run_recipe(
                        "tokenize_s": round(time.perf_counter() - t, 2)}
     log(f"data: {len(train_pairs)} train / {len(val_pairs)} validation pairs")
 
-    def config(steps: int, lr: float) -> TrainConfig:
-        return TrainConfig(
-            steps=steps, batch_size=batch_size, lr=lr, seed=seed, log_every=max(1, min(20, steps // 10)),
-            save_every=max(1, min(100, steps // 4)), eval_every=max(1, steps // 5), eval_batch_size=128,
-            threads=threads, progress=progress, group_by_length=group_by_length, device=device,
-        )
+    def config(steps: int, lr: float, **kw: Any) -> TrainConfig:
+        return TrainConfig(**{
+            "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "log_every": max(1, min(20, steps // 10)),
+            "save_every": max(1, min(100, steps // 4)), "eval_every": max(1, steps // 5), "eval_batch_size": 128,
+            "threads": threads, "progress": progress, "group_by_length": group_by_length, "device": device, **kw,
+        })
 
-    def train_stage(stage: str, model: Any, tok: Any, objective: Any, steps: int, lr: float, final: Path) -> dict:
-        trainer = Trainer(model, tok, objective, train_pairs, config(steps, lr), work / stage,
+    def train_stage(stage: str, model: Any, tok: Any, objective: Any, steps: int, lr: float, final: Path,
+                    **kw: Any) -> dict:
+        trainer = Trainer(model, tok, objective, train_pairs, config(steps, lr, **kw), work / stage,
                           val_pairs=val_pairs, final_dir=final)
         result = trainer.train(resume=True)
         result.update(stage=stage, output=str(final))
@@ -189,11 +203,28 @@ def run_recipe(
     summary["stages"]["pretrain"] = done
     save_summary()
 
-    # 3. fine-tuning --------------------------------------------------------------------------
-    todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None]
+    def refine_stage(name: str) -> dict:
+        stage, final = f"refine-{name}", out / f"{size}-{name}"
+        done = _stage_done(work / stage)
+        if done is not None:
+            log(f"{stage}: done before, skipped")
+            return done
+        start = work / f"finetune-{name}" / "model"  # the F-step model; OUT/<size>-<name> will be overwritten
+        if not start.is_dir():
+            shutil.copytree(final, start)
+        log(f"{stage}: from the {F}-step {name} model, {R} steps")
+        model, tok = load_pretrained(start)
+        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), R, REFINE_LR, final,
+                           seed=seed + 1, warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
+        log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
+        return done
+
+    # 3. fine-tuning (and refining) -------------------------------------------------------------
+    todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None
+            or (R and _stage_done(work / f"refine-{name}") is None)]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device)
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R)
     for name in objectives:
         stage = f"finetune-{name}"
         done = _stage_done(work / stage)
@@ -207,6 +238,9 @@ def run_recipe(
             log(f"{stage}: done before, skipped")
         summary["stages"][stage] = done
         save_summary()
+        if R:
+            summary["stages"][f"refine-{name}"] = refine_stage(name)
+            save_summary()
     summary["this_run_wall_s"] = round(time.perf_counter() - t_all, 1)
     save_summary()
     log(f"all stages done; summary in {out / SUMMARY_FILE}")
@@ -215,7 +249,7 @@ def run_recipe(
 
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
                       batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
-                      device: str = "cpu") -> None:
+                      device: str = "cpu", refine_steps: int = 0) -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -225,7 +259,8 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
     def cmd(objective: str) -> list[str]:
         c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
-             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device, "--no-progress"]
+             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device,
+             "--refine-steps", str(refine_steps), "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -256,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--pretrain-steps", type=int, default=None)
     p.add_argument("--finetune-steps", type=int, default=None)
+    p.add_argument("--refine-steps", type=int, default=None, help="R more steps per objective after F (default 0)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
@@ -273,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
                threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
-               device=a.device)
+               device=a.device, refine_steps=a.refine_steps)
     return 0
 
 
