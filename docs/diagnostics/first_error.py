@@ -38,7 +38,7 @@ for i, ex in enumerate(task.examples("validation", n)):
         kinds["ended early"] += 1
         continue
     pos = len(prompt) + j
-    when = {p: n for n, t in enumerate(res.trace) for s, m in t.accepted for p in range(s, s + m)}
+    when = {p: k for k, t in enumerate(res.trace) for s, m in t.accepted for p in range(s, s + m)}  # position -> iteration
     it = res.trace[when[pos]]
     start = next(s for s, m in it.accepted if s <= pos < s + m)
     later = sum(1 for p in range(len(prompt), pos) if when.get(p, len(res.trace)) > when[pos])

@@ -203,19 +203,16 @@ def run_recipe(
     summary["stages"]["pretrain"] = done
     save_summary()
 
-    def refine_stage(name: str) -> dict:
-        stage, final = f"refine-{name}", out / f"{size}-{name}"
+    def run_stage(stage: str, name: str, init: Path, steps: int, lr: float, **kw: Any) -> dict:
+        """Train ``name`` from the model in ``init`` into ``OUT/<size>-<name>``, unless done before."""
         done = _stage_done(work / stage)
         if done is not None:
             log(f"{stage}: done before, skipped")
             return done
-        start = work / f"finetune-{name}" / "model"  # the F-step model; OUT/<size>-<name> will be overwritten
-        if not start.is_dir():
-            shutil.copytree(final, start)
-        log(f"{stage}: from the {F}-step {name} model, {R} steps")
-        model, tok = load_pretrained(start)
-        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), R, REFINE_LR, final,
-                           seed=seed + 1, warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
+        log(f"{stage}: from {init}, {steps} steps")
+        model, tok = load_pretrained(init)
+        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), steps, lr,
+                           out / f"{size}-{name}", **kw)
         log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
         return done
 
@@ -226,20 +223,15 @@ def run_recipe(
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
         run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R)
     for name in objectives:
-        stage = f"finetune-{name}"
-        done = _stage_done(work / stage)
-        if done is None:
-            log(f"{stage}: from {base.name}, {F} steps")
-            model, tok = load_pretrained(base)
-            done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), F, finetune_lr,
-                               out / f"{size}-{name}")
-            log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
-        else:
-            log(f"{stage}: done before, skipped")
-        summary["stages"][stage] = done
+        summary["stages"][f"finetune-{name}"] = run_stage(f"finetune-{name}", name, base, F, finetune_lr)
         save_summary()
         if R:
-            summary["stages"][f"refine-{name}"] = refine_stage(name)
+            start = work / f"finetune-{name}" / "model"  # the F-step model, kept: OUT/<size>-<name> is overwritten
+            if not start.is_dir() and _stage_done(work / f"refine-{name}") is None:
+                shutil.copytree(out / f"{size}-{name}", start)
+            summary["stages"][f"refine-{name}"] = run_stage(
+                f"refine-{name}", name, start, R, REFINE_LR, seed=seed + 1,
+                warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
             save_summary()
     summary["this_run_wall_s"] = round(time.perf_counter() - t_all, 1)
     save_summary()
