@@ -76,3 +76,13 @@ def test_model_override_replaces_one_decoders_model(tmp_path, bench_config):
         with_models(cfg, ["runs/recipe/tiny-base"])
     with pytest.raises(ConfigError, match="no decoder 'block' in the bench config; configured: ar, refusion"):
         with_models(cfg, ["block=tiny-block"])
+
+
+def test_label_offset_moves_a_label_off_a_neighbours():
+    from refusion.experiments.bench import LABEL_OFFSETS, label_offset
+
+    assert label_offset(100, 100, []) == LABEL_OFFSETS[0]
+    first = (100 + LABEL_OFFSETS[0][0], 100 + LABEL_OFFSETS[0][1])
+    dx, dy = label_offset(102, 96, [first])  # a point 4 points below the first: its label must go elsewhere
+    assert abs(102 + dx - first[0]) > 45 or abs(96 + dy - first[1]) > 11
+    assert label_offset(300, 100, [first]) == LABEL_OFFSETS[0]  # far away: the default place

@@ -68,26 +68,54 @@ def bench_runs(cfg: BenchConfig, decoders: list[str], tasks: list[str], override
             for d in decoders]
 
 
+LABEL_OFFSETS = ((6, -4), (6, 8), (6, -16), (-52, -4), (-52, 8))  # points: right, above, below, left
+
+
+def label_offset(px: float, py: float, placed: list[tuple[float, float]]) -> tuple[int, int]:
+    """The first of ``LABEL_OFFSETS`` whose label (about 45 x 10 points) anchored at ``(px, py)`` plus the
+    offset clears every label anchor in ``placed``; the first offset if none does."""
+    return next(((dx, dy) for dx, dy in LABEL_OFFSETS
+                 if all(abs(px + dx - qx) > 45 or abs(py + dy - qy) > 11 for qx, qy in placed)), LABEL_OFFSETS[0])
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Accuracy against tokens/s, one panel per task; writes bench.png and bench.svg."""
+    """Accuracy against tokens/s, one panel per task, one colour per decoder (legend below the panels),
+    each point labelled with its TPF, the goal region (>= 2x ar's tokens/s, within 2 points of ar's
+    accuracy) shaded; writes bench.png and bench.svg."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-    colors = {d: plt.cm.tab10(i) for i, d in enumerate(sorted({r["run"] for r in rows}))}
+    runs = sorted({r["run"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.9), squeeze=False)
+    colors = {d: plt.cm.tab10(i) for i, d in enumerate(runs)}
     for ax, task in zip(axes[0], tasks):
-        for r in (r for r in rows if r["task"] == task):
-            ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], s=60, color=colors[r["run"]])
-            ax.annotate(f"{r['run']}\nTPF {r['tpf']:.1f}", (r["tokens_per_second"], 100 * r["accuracy"]),
-                        textcoords="offset points", xytext=(6, -4), fontsize=8)
-        ax.set(title=task, xlabel="tokens / s", ylabel="accuracy %", ylim=(-5, 105))
-        ax.set_xlim(left=0)
+        pts = sorted((r for r in rows if r["task"] == task), key=lambda r: -r["accuracy"])
+        ar = next((r for r in pts if r["run"] == "ar"), None)
+        xhi = max(1.3 * max(r["tokens_per_second"] for r in pts), 2.6 * ar["tokens_per_second"] if ar else 0)
+        ax.set(title=task, xlabel="tokens / s", ylabel="accuracy %", ylim=(-5, 105), xlim=(0, xhi))
         ax.grid(alpha=0.3)
+        if ar is not None:  # the goal: at least 2x AR's tokens/s, accuracy within 2 points of AR's
+            ax.axvspan(2 * ar["tokens_per_second"], xhi, ymin=(100 * ar["accuracy"] - 2 + 5) / 110,
+                       color="tab:green", alpha=0.1, lw=0)
+        placed: list[tuple[float, float]] = []  # label anchors already used, in points on the page
+        for r in pts:
+            x, y = r["tokens_per_second"], 100 * r["accuracy"]
+            ax.scatter(x, y, s=60, color=colors[r["run"]], label=r["run"])
+            px, py = ax.transData.transform((x, y)) * 72 / fig.dpi
+            dx, dy = label_offset(px, py, placed)
+            placed.append((px + dx, py + dy))
+            ax.annotate(f"TPF {r['tpf']:.1f}", (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=8)
+    handles = [plt.Line2D([], [], marker="o", linestyle="", markersize=7, color=colors[d]) for d in runs]
+    labels = list(runs)
+    if any(r["run"] == "ar" for r in rows):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:green", alpha=0.1))
+        labels.append(">= 2x ar's tokens/s, accuracy within 2 points of ar")
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.suptitle("tinybench: accuracy vs decoding speed")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     paths = [out / "bench.png", out / "bench.svg"]
     for p in paths:
         fig.savefig(p, dpi=130)
