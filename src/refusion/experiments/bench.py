@@ -103,7 +103,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         placed: list[tuple[float, float]] = []  # label anchors already used, in points on the page
         for r in pts:
             x, y = r["tokens_per_second"], 100 * r["accuracy"]
-            ax.scatter(x, y, s=60, color=colors[r["run"]], label=r["run"])
+            ax.scatter(x, y, s=60, color=colors[r["run"]])
             px, py = ax.transData.transform((x, y)) * 72 / fig.dpi
             dx, dy = label_offset(px, py, placed)
             placed.append((px + dx, py + dy))
