@@ -40,3 +40,20 @@ def test_fine_tune_workers_get_the_recipes_device(tmp_path, monkeypatch):
     for job in seen:
         i = job.cmd.index("--device")
         assert job.cmd[i + 1] == "cuda:1" and job.cmd[job.cmd.index("--objectives") + 1] == job.name
+        assert job.cmd[job.cmd.index("--base-ar-steps") + 1] == "0"
+
+
+def test_base_ar_stage_trains_the_base_further_and_every_objective_starts_from_it(tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "recipe"
+    kw = dict(pretrain_steps=2, finetune_steps=1, base_ar_steps=2, batch_size=4, size="micro",
+              objectives=("refusion",), threads=1, progress=False, train_limit=48)
+    stages = run_recipe(out, **kw)["stages"]
+    assert list(stages) == ["tokenizer", "pretrain", "base-ar", "finetune-refusion"]
+    assert stages["base-ar"]["steps"] == 2 and stages["base-ar"]["output"] == str(out / "micro-base")
+    phase1 = load_file(out / "work" / "pretrain" / "model" / "model.safetensors")  # the P-step base, kept
+    base = load_file(out / "micro-base" / "model.safetensors")
+    assert any(not phase1[k].equal(base[k]) for k in base)  # micro-base is the trained-further model
+    assert run_recipe(out, **kw)["stages"] == stages  # done: nothing retrains
+    assert "| base-ar | ar | 2 |" in report(out)

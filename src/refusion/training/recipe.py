@@ -7,6 +7,8 @@ stage resumes from its ``trainer_state.pt``):
    saved to ``OUT/tokenizer``;
 2. ``pretrain``: a fresh ``tiny`` Qwen3 (3.4M parameters with the 1024-token vocabulary) trained from
    scratch with ``ar`` on tinybench train for P steps -> ``OUT/tiny-base``;
+   With ``--base-ar-steps B`` (default 0), ``base-ar`` then trains the base B more steps with ``ar`` under
+   the fine-tune schedule -> ``OUT/tiny-base`` (the P-step base kept in ``OUT/work/pretrain/model``);
 3. ``finetune-<obj>`` for ``refusion``, ``ar``, ``mdm``, ``block``: each starts from the SAME
    ``tiny-base`` checkpoint and trains F steps on the same data, batch size and learning-rate schedule
    -> ``OUT/tiny-<obj>``;
@@ -68,6 +70,7 @@ DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
 DEFAULT_REFINE_STEPS = 0
+DEFAULT_BASE_AR_STEPS = 0
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
 GROUP_BY_LENGTH = 64
@@ -104,6 +107,7 @@ def run_recipe(
     jobs: int = 1,
     device: str = "cpu",
     refine_steps: int | None = None,
+    base_ar_steps: int | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
@@ -113,7 +117,10 @@ def run_recipe(
     either way). ``refine_steps`` R > 0 adds a stage ``refine-<obj>`` after each fine-tune: R more steps
     of the same objective from the fine-tuned model, under a fresh schedule (peak ``REFINE_LR``,
     ``REFINE_WARMUP`` warmup steps, data order seeded ``seed + 1``); the F-step model is kept in
-    ``OUT/work/finetune-<obj>/model`` and ``OUT/<size>-<obj>`` becomes the refined one."""
+    ``OUT/work/finetune-<obj>/model`` and ``OUT/<size>-<obj>`` becomes the refined one. ``base_ar_steps``
+    B > 0 adds a stage ``base-ar`` before the fine-tunes: B more ``ar`` steps on the pretrained base under
+    the fine-tune schedule (the phase-1 base kept in ``OUT/work/pretrain/model``); ``OUT/<size>-base``
+    becomes that model and every objective starts from it, as ReFusion starts from a tuned AR model."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -127,6 +134,7 @@ def run_recipe(
     P = pretrain_steps if pretrain_steps is not None else DEFAULT_PRETRAIN_STEPS
     F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
     R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
+    B = base_ar_steps if base_ar_steps is not None else DEFAULT_BASE_AR_STEPS
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -134,6 +142,7 @@ def run_recipe(
         torch.set_num_threads(threads)
     summary: dict[str, Any] = {
         "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "refine_steps": R,
+        "base_ar_steps": B,
         "batch_size": batch_size, "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "refine_lr": REFINE_LR,
         "group_by_length": group_by_length,
         "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "device": device,
@@ -189,6 +198,27 @@ def run_recipe(
         _write_json(work / stage / STAGE_FILE, result)
         return result
 
+    def run_stage(stage: str, name: str, init: Path, steps: int, lr: float, final: Path | None = None,
+                  **kw: Any) -> dict:
+        """Train ``name`` from the model in ``init`` into ``final`` (default ``OUT/<size>-<name>``), unless
+        done before."""
+        done = _stage_done(work / stage)
+        if done is not None:
+            log(f"{stage}: done before, skipped")
+            return done
+        log(f"{stage}: from {init}, {steps} steps")
+        model, tok = load_pretrained(init)
+        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), steps, lr,
+                           final or out / f"{size}-{name}", **kw)
+        log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
+        return done
+
+    def kept_copy(model_dir: Path, keep: Path, stage: str) -> Path:
+        """``keep``, a copy of ``model_dir`` made while ``stage`` (which overwrites ``model_dir``) is to run."""
+        if not keep.is_dir() and _stage_done(work / stage) is None:
+            shutil.copytree(model_dir, keep)
+        return keep
+
     # 2. pretraining --------------------------------------------------------------------------
     base = out / f"{size}-base"
     done = _stage_done(work / "pretrain")
@@ -203,32 +233,23 @@ def run_recipe(
     summary["stages"]["pretrain"] = done
     save_summary()
 
-    def run_stage(stage: str, name: str, init: Path, steps: int, lr: float, **kw: Any) -> dict:
-        """Train ``name`` from the model in ``init`` into ``OUT/<size>-<name>``, unless done before."""
-        done = _stage_done(work / stage)
-        if done is not None:
-            log(f"{stage}: done before, skipped")
-            return done
-        log(f"{stage}: from {init}, {steps} steps")
-        model, tok = load_pretrained(init)
-        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), steps, lr,
-                           out / f"{size}-{name}", **kw)
-        log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
-        return done
+    if B:  # phase 2 of the base: more AR steps under the fine-tune schedule, then every objective branches
+        start = kept_copy(base, work / "pretrain" / "model", "base-ar")
+        summary["stages"]["base-ar"] = run_stage("base-ar", "ar", start, B, finetune_lr, final=base)
+        save_summary()
 
     # 3. fine-tuning (and refining) -------------------------------------------------------------
     todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None
             or (R and _stage_done(work / f"refine-{name}") is None)]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R)
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B)
     for name in objectives:
         summary["stages"][f"finetune-{name}"] = run_stage(f"finetune-{name}", name, base, F, finetune_lr)
         save_summary()
         if R:
-            start = work / f"finetune-{name}" / "model"  # the F-step model, kept: OUT/<size>-<name> is overwritten
-            if not start.is_dir() and _stage_done(work / f"refine-{name}") is None:
-                shutil.copytree(out / f"{size}-{name}", start)
+            # the F-step model, kept: OUT/<size>-<name> is overwritten
+            start = kept_copy(out / f"{size}-{name}", work / f"finetune-{name}" / "model", f"refine-{name}")
             summary["stages"][f"refine-{name}"] = run_stage(
                 f"refine-{name}", name, start, R, REFINE_LR, seed=seed + 1,
                 warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
@@ -241,7 +262,7 @@ def run_recipe(
 
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
                       batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
-                      device: str = "cpu", refine_steps: int = 0) -> None:
+                      device: str = "cpu", refine_steps: int = 0, base_ar_steps: int = 0) -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -252,7 +273,7 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
         c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
              "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device,
-             "--refine-steps", str(refine_steps), "--no-progress"]
+             "--refine-steps", str(refine_steps), "--base-ar-steps", str(base_ar_steps), "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -284,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=None)
     p.add_argument("--finetune-steps", type=int, default=None)
     p.add_argument("--refine-steps", type=int, default=None, help="R more steps per objective after F (default 0)")
+    p.add_argument("--base-ar-steps", type=int, default=None,
+                   help="B more ar steps on the base, at the fine-tune lr, before the objectives branch (default 0)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
@@ -301,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
                threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
-               device=a.device, refine_steps=a.refine_steps)
+               device=a.device, refine_steps=a.refine_steps, base_ar_steps=a.base_ar_steps)
     return 0
 
 
