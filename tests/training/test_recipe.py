@@ -43,7 +43,7 @@ def test_fine_tune_workers_get_the_recipes_device(tmp_path, monkeypatch):
         assert job.cmd[job.cmd.index("--base-ar-steps") + 1] == "0"
 
 
-def test_base_ar_stage_trains_the_base_further_and_every_objective_starts_from_it(tmp_path):
+def test_base_ar_stage_trains_the_base_further_and_replaces_it(tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "recipe"

@@ -5,7 +5,8 @@
     refusion train --objective refusion --data tinybench --init runs/recipe/tiny-base --out runs/ft \\
         --steps 500 --batch-size 32 --lr 1e-3 --set slot_sizes=[4,8] --resume
     refusion train --objective ar --data my.json --init scratch --size tiny --out runs/mine
-    refusion train --recipe tiny --out runs/recipe [--pretrain-steps P] [--finetune-steps F] [--refine-steps R] [--base-ar-steps B]
+    refusion train --recipe tiny --out runs/recipe [--pretrain-steps P] [--finetune-steps F]
+        [--refine-steps R] [--base-ar-steps B]
 
 ``--init`` takes a model folder or a shipped checkpoint name; ``scratch`` builds a fresh model of
 ``--size`` with the tinybench tokenizer (``--data tinybench``) or a tokenizer trained on the JSON file.
@@ -68,7 +69,8 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--refine-steps", type=int, default=None,
                    help="recipe: further steps per objective after F, under a fresh schedule (R; default 0)")
     p.add_argument("--base-ar-steps", type=int, default=None,
-                   help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch (B; default 0)")
+                   help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
+                        "(B; default 0)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
     p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,9 +106,8 @@ def run_train(args: argparse.Namespace) -> int:
         if args.batch_size:
             kw["batch_size"] = args.batch_size
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
-                   refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads, progress=not args.no_progress,
-                   seed=args.seed, jobs=args.jobs,
-                   device=args.device, **kw)
+                   refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
+                   progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)
         return 0
     if not args.objective:
         _error(args, "--objective is required (or use --recipe tiny)")
