@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from helpers import make_char_tokenizer, make_tiny_qwen3
@@ -129,6 +131,10 @@ def test_save_load_round_trip_and_incomplete_folder(tmp_path, backbone):
     loaded = Backbone(model, tok)
     ids, pos = torch.tensor([5, 6, 7]), torch.arange(3)
     assert torch.allclose(loaded.forward(ids, pos, None), backbone.forward(ids, pos, None), atol=0.05)  # bf16 storage
+    save_pretrained(model, tok, tmp_path / "again")  # a tokenizer loaded from a folder keeps no load-time keys
+    assert (tmp_path / "again" / "tokenizer.json").read_text() == (tmp_path / "m" / "tokenizer.json").read_text()
+    assert json.loads((tmp_path / "again" / "tokenizer_config.json").read_text()) == json.loads(
+        (tmp_path / "m" / "tokenizer_config.json").read_text())
     (tmp_path / "m" / "model.safetensors").unlink()
     (tmp_path / "m" / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"missing model.safetensors.*tokenizer files"):

@@ -89,5 +89,20 @@ def save_pretrained(
     cfg = json.loads(cfg_path.read_text())
     cfg["dtype"] = str(dtype).removeprefix("torch.")  # the stored weights' dtype, not the model's in memory
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out
+
+
+# Arguments of how a tokenizer was loaded, which transformers 5 writes into tokenizer_config.json on save;
+# they describe the loading machine, not the tokenizer.
+LOAD_TIME_KEYS = ("is_local", "local_files_only")
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> None:
+    """``tokenizer.save_pretrained(out_dir)`` without the load-time keys in ``tokenizer_config.json``."""
+    tokenizer.save_pretrained(out_dir)
+    path = Path(out_dir) / "tokenizer_config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        if any(k in cfg for k in LOAD_TIME_KEYS):
+            path.write_text(json.dumps({k: v for k, v in cfg.items() if k not in LOAD_TIME_KEYS}, indent=2) + "\n")

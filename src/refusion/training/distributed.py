@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from refusion.models.loading import save_tokenizer
 from refusion.training.objective import Batch, Objective, Pair
 from refusion.training.trainer import (
     LOG_FILE, TrainConfig, _Sampler, build_optimizer, init_run, lr_lambda, validation_batch,
@@ -214,7 +215,7 @@ class DistributedTrainer:
             self.objective.configure_model(model.config)
             state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
             model.save_pretrained(self.final_dir, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(self.final_dir)
+            save_tokenizer(self.tokenizer, self.final_dir)
         acc.wait_for_everyone()
 
 
