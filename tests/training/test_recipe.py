@@ -47,7 +47,7 @@ def test_base_ar_stage_trains_the_base_further_and_replaces_it(tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "recipe"
-    kw = dict(pretrain_steps=2, finetune_steps=1, base_ar_steps=2, batch_size=4, size="micro",
+    kw = dict(pretrain_steps=2, finetune_steps=1, base_ar_steps=2, refine_steps=0, batch_size=4, size="micro",
               objectives=("refusion",), threads=1, progress=False, train_limit=48)
     stages = run_recipe(out, **kw)["stages"]
     assert list(stages) == ["tokenizer", "pretrain", "base-ar", "finetune-refusion"]

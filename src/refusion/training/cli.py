@@ -67,7 +67,8 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--pretrain-steps", type=int, default=None, help="recipe: AR pretraining steps (P)")
     p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
     p.add_argument("--refine-steps", type=int, default=None,
-                   help="recipe: further steps per objective after F, under a fresh schedule (R; default 0)")
+                   help="recipe: further steps per objective after F, under a fresh schedule (R; default: the "
+                        "shipped recipe's, 2400)")
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
                         "(B; default 0)")
