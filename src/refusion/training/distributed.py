@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -315,8 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     # the last all-gather's tensors (a deadlock seen in about half of the 2-process CPU runs here).
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    _LIVE.append(trainer)  # not freed on return: see __main__
     return 0
 
 
+# The barrier above made that deadlock rare, not impossible: under CPU contention ~1 run in 6 still hung
+# (faulthandler: the main thread in C code at the `main()` call, as main's locals were freed, and gloo's
+# thread without a Python frame). So the trainer outlives main() and the command-line process leaves
+# with os._exit, without freeing it: everything is written and flushed by then.
+_LIVE: list[Any] = []
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
