@@ -57,3 +57,15 @@ def test_base_ar_stage_trains_the_base_further_and_replaces_it(tmp_path):
     assert any(not phase1[k].equal(base[k]) for k in base)  # micro-base is the trained-further model
     assert run_recipe(out, **kw)["stages"] == stages  # done: nothing retrains
     assert "| base-ar | ar | 2 |" in report(out)
+
+
+def test_mdm_trains_on_random_batches_the_others_on_length_grouped_ones(tmp_path):
+    """mdm's EOS padding to the batch's longest response needs batches of mixed lengths (LLaDA's SFT)."""
+    from refusion.training.recipe import GROUP_BY_LENGTH
+
+    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=1, batch_size=4, size="micro",
+              objectives=("mdm", "block"), threads=1, progress=False, train_limit=48)
+    stages = run_recipe(tmp_path / "recipe", **kw)["stages"]
+    grouping = {name: st["group_by_length"] for name, st in stages.items() if "group_by_length" in st}
+    assert grouping == {"pretrain": GROUP_BY_LENGTH, "finetune-mdm": 0, "refine-mdm": 0,
+                        "finetune-block": GROUP_BY_LENGTH, "refine-block": GROUP_BY_LENGTH}

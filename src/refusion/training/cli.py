@@ -127,6 +127,10 @@ def run_train(args: argparse.Namespace) -> int:
         cls = get_registry().get("objective", args.objective)
     except PluginError as exc:
         _error(args, str(exc))
+    if cls.wants_random_batches and args.group_by_length:
+        print(f"note: --group-by-length {args.group_by_length} with objective {args.objective!r}, whose layout depends "
+              "on which examples share a batch (EOS padding to the batch's longest response): length-grouped "
+              "batches teach it little about where answers end; the recipe trains it with 0", file=sys.stderr)
     try:
         options = cls.Options(**parse_sets(args.set))
     except Exception as exc:  # pydantic ValidationError or a bad --set

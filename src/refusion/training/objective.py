@@ -76,6 +76,10 @@ class Objective(ABC):
     attention: ClassVar[str] = "causal"
     #: whether the objective trains [MASK] predictions (reports ``masked_acc``)
     diffusion: ClassVar[bool] = False
+    #: whether the layout depends on which examples share a batch (``mdm`` pads each response with EOS to
+    #: the batch's longest), so that batching by length (``TrainConfig.group_by_length``) changes what is
+    #: learned; the recipe trains such objectives on random batches
+    wants_random_batches: ClassVar[bool] = False
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")

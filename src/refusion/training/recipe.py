@@ -22,6 +22,10 @@ Training logs and resumable states live in ``OUT/work/<stage>/``; the ``tiny-*``
 Hugging Face folders (bf16 safetensors + tokenizer) ready to copy into ``src/refusion/checkpoints/``.
 To redo a stage, delete ``OUT/work/<stage>`` and its output folder.
 
+Batches are grouped by length (``GROUP_BY_LENGTH``) except for objectives that set
+``wants_random_batches`` (``mdm``, whose EOS padding to the batch's longest response is what teaches a
+LLaDA-style model where an answer ends); each stage records its ``group_by_length``.
+
 How P and F were chosen (defaults below). Measured on tinybench train (47,200 pairs; arith answers
 95-157 tokens) with batch 32 and length-grouped batches (pools of 64 batches sorted by length) on this
 machine's 2 cores, fp32: a pretraining step takes ~1.25 s with 2 threads on a quiet machine, and
@@ -200,7 +204,7 @@ def run_recipe(
         trainer = Trainer(model, tok, objective, train_pairs, config(steps, lr, **kw), work / stage,
                           val_pairs=val_pairs, final_dir=final)
         result = trainer.train(resume=True)
-        result.update(stage=stage, output=str(final))
+        result.update(stage=stage, output=str(final), group_by_length=trainer.config.group_by_length)
         _write_json(work / stage / STAGE_FILE, result)
         return result
 
@@ -212,7 +216,9 @@ def run_recipe(
         if done is not None:
             log(f"{stage}: done before, skipped")
             return done
-        log(f"{stage}: from {init}, {steps} steps")
+        if OBJ_CLASSES[name].wants_random_batches:  # mdm: LLaDA's EOS padding needs batches of mixed lengths
+            kw = {"group_by_length": 0, **kw}
+        log(f"{stage}: from {init}, {steps} steps" + (", random batches" if kw.get("group_by_length") == 0 else ""))
         model, tok = load_pretrained(init)
         done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), steps, lr,
                            final or out / f"{size}-{name}", **kw)
