@@ -216,9 +216,10 @@ def run_recipe(
         if done is not None:
             log(f"{stage}: done before, skipped")
             return done
-        if OBJ_CLASSES[name].wants_random_batches:  # mdm: LLaDA's EOS padding needs batches of mixed lengths
+        random_batches = OBJ_CLASSES[name].wants_random_batches  # mdm: its EOS padding needs mixed lengths
+        if random_batches:
             kw = {"group_by_length": 0, **kw}
-        log(f"{stage}: from {init}, {steps} steps" + (", random batches" if kw.get("group_by_length") == 0 else ""))
+        log(f"{stage}: from {init}, {steps} steps" + (", random batches" if random_batches else ""))
         model, tok = load_pretrained(init)
         done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), steps, lr,
                            final or out / f"{size}-{name}", **kw)
