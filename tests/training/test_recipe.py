@@ -69,3 +69,42 @@ def test_mdm_trains_on_random_batches_the_others_on_length_grouped_ones(tmp_path
     grouping = {name: st["group_by_length"] for name, st in stages.items() if "group_by_length" in st}
     assert grouping == {"pretrain": GROUP_BY_LENGTH, "finetune-mdm": 0, "refine-mdm": 0,
                         "finetune-block": GROUP_BY_LENGTH, "refine-block": GROUP_BY_LENGTH}
+
+
+def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
+    """Round r trains R steps from round r - 1's model (kept), data order seeded seed + r; rerunning with more
+    rounds trains only the new ones."""
+    import pytest
+    from safetensors.torch import load_file
+
+    from refusion.training.recipe import refine_stage
+
+    out = tmp_path / "recipe"
+    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=2, batch_size=4, size="micro",
+              objectives=("refusion",), threads=1, progress=False, train_limit=48)
+    one = run_recipe(out, **kw)["stages"]
+    assert refine_stage("refusion", 1) == "refine-refusion" and refine_stage("refusion", 3) == "refine3-refusion"
+    summary = run_recipe(out, refine_rounds=3, **kw)
+    stages = summary["stages"]
+    assert summary["refine_rounds"] == 3
+    assert list(stages) == ["tokenizer", "pretrain", "finetune-refusion", "refine-refusion", "refine2-refusion",
+                            "refine3-refusion"]
+    assert stages["refine-refusion"] == one["refine-refusion"]  # round 1 was done before: not retrained
+    round1 = load_file(out / "work" / "refine-refusion" / "model" / "model.safetensors")  # kept for round 2
+    round2 = load_file(out / "work" / "refine2-refusion" / "model" / "model.safetensors")
+    final = load_file(out / "micro-refusion" / "model.safetensors")
+    assert any(not round1[k].equal(round2[k]) for k in final) and any(not round2[k].equal(final[k]) for k in final)
+    assert all(stages[refine_stage("refusion", r)]["steps"] == 2 for r in (1, 2, 3))
+    assert run_recipe(out, refine_rounds=3, **kw)["stages"] == stages  # done: nothing retrains
+    with pytest.raises(ValueError, match="refine_rounds"):
+        run_recipe(out, refine_rounds=0, **kw)
+
+
+def test_fine_tune_workers_get_the_refine_rounds(tmp_path, monkeypatch):
+    from refusion.core import workers
+    from refusion.training.recipe import run_finetune_jobs
+
+    seen = []
+    monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
+    run_finetune_jobs(tmp_path, ["mdm"], 1, 10, 5, 4, 0, None, "micro", refine_steps=3, refine_rounds=2)
+    assert seen[0].cmd[seen[0].cmd.index("--refine-rounds") + 1] == "2"

@@ -6,7 +6,7 @@
         --steps 500 --batch-size 32 --lr 1e-3 --set slot_sizes=[4,8] --resume
     refusion train --objective ar --data my.json --init scratch --size tiny --out runs/mine
     refusion train --recipe tiny --out runs/recipe [--pretrain-steps P] [--finetune-steps F]
-        [--refine-steps R] [--base-ar-steps B]
+        [--refine-steps R] [--refine-rounds N] [--base-ar-steps B]
 
 ``--init`` takes a model folder or a shipped checkpoint name; ``scratch`` builds a fresh model of
 ``--size`` with the tinybench tokenizer (``--data tinybench``) or a tokenizer trained on the JSON file.
@@ -69,6 +69,8 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--refine-steps", type=int, default=None,
                    help="recipe: further steps per objective after F, under a fresh schedule (R; default: the "
                         "shipped recipe's, 2400)")
+    p.add_argument("--refine-rounds", type=int, default=None,
+                   help="recipe: refine stages per objective, each R steps from the one before (N; default 1)")
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
                         "(B; default 0)")
@@ -106,6 +108,10 @@ def run_train(args: argparse.Namespace) -> int:
             kw["objectives"] = objectives
         if args.batch_size:
             kw["batch_size"] = args.batch_size
+        if args.refine_rounds is not None:
+            if args.refine_rounds < 1:
+                _error(args, f"--refine-rounds must be >= 1, got {args.refine_rounds} (--refine-steps 0: no refining)")
+            kw["refine_rounds"] = args.refine_rounds
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
                    refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
                    progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)

@@ -14,7 +14,9 @@ stage resumes from its ``trainer_state.pt``):
    -> ``OUT/tiny-<obj>``;
    With ``--refine-steps R`` (default 2400), ``refine-<obj>`` then trains each R more steps under a fresh
    schedule (peak lr 5e-4, 100 warmup steps, data order seeded ``seed + 1``) -> ``OUT/tiny-<obj>``, the
-   F-step model kept in ``OUT/work/finetune-<obj>/model``;
+   F-step model kept in ``OUT/work/finetune-<obj>/model``; with ``--refine-rounds N`` (default 1) that
+   stage runs N times, round r >= 2 as ``refine<r>-<obj>`` from round r - 1's model (kept in that round's
+   ``OUT/work/<stage>/model``), data order seeded ``seed + r``;
 4. ``OUT/recipe_summary.json``: per stage wall time, steps, batch size, lr, params, final train
    metrics and validation metrics (``masked_acc`` for diffusion objectives), rewritten after every stage.
 
@@ -80,6 +82,7 @@ DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
 DEFAULT_REFINE_STEPS = 2400
+DEFAULT_REFINE_ROUNDS = 1
 DEFAULT_BASE_AR_STEPS = 0
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
@@ -87,6 +90,11 @@ GROUP_BY_LENGTH = 64
 OBJECTIVES = ("refusion", "ar", "mdm", "block")
 SUMMARY_FILE = "recipe_summary.json"
 STAGE_FILE = "stage.json"
+
+
+def refine_stage(objective: str, round_: int) -> str:
+    """The name of refine round ``round_`` (1-based) of ``objective``: ``refine-ar``, ``refine2-ar``, ..."""
+    return f"refine-{objective}" if round_ == 1 else f"refine{round_}-{objective}"
 
 
 def _stage_done(work: Path) -> dict | None:
@@ -118,6 +126,7 @@ def run_recipe(
     device: str = "cpu",
     refine_steps: int | None = None,
     base_ar_steps: int | None = None,
+    refine_rounds: int = DEFAULT_REFINE_ROUNDS,
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
@@ -127,7 +136,9 @@ def run_recipe(
     either way). ``refine_steps`` R > 0 adds a stage ``refine-<obj>`` after each fine-tune: R more steps
     of the same objective from the fine-tuned model, under a fresh schedule (peak ``REFINE_LR``,
     ``REFINE_WARMUP`` warmup steps, data order seeded ``seed + 1``); the F-step model is kept in
-    ``OUT/work/finetune-<obj>/model`` and ``OUT/<size>-<obj>`` becomes the refined one. ``base_ar_steps``
+    ``OUT/work/finetune-<obj>/model`` and ``OUT/<size>-<obj>`` becomes the refined one. ``refine_rounds``
+    N > 1 repeats that stage N times (round r: stage :func:`refine_stage`, from round r - 1's model, kept in
+    its ``OUT/work/<stage>/model``, data order seeded ``seed + r``). ``base_ar_steps``
     B > 0 adds a stage ``base-ar`` before the fine-tunes: B more ``ar`` steps on the pretrained base under
     the fine-tune schedule (the phase-1 base kept in ``OUT/work/pretrain/model``); ``OUT/<size>-base``
     becomes that model and every objective starts from it, as ReFusion starts from a tuned AR model."""
@@ -145,6 +156,8 @@ def run_recipe(
     F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
     R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
     B = base_ar_steps if base_ar_steps is not None else DEFAULT_BASE_AR_STEPS
+    if refine_rounds < 1:
+        raise ValueError(f"refine_rounds must be >= 1, got {refine_rounds} (use refine_steps=0 for no refining)")
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -152,6 +165,7 @@ def run_recipe(
         torch.set_num_threads(threads)
     summary: dict[str, Any] = {
         "recipe": "tiny", "size": size, "pretrain_steps": P, "finetune_steps": F, "refine_steps": R,
+        "refine_rounds": refine_rounds if R else 0,
         "base_ar_steps": B,
         "batch_size": batch_size, "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "refine_lr": REFINE_LR,
         "group_by_length": group_by_length,
@@ -252,21 +266,24 @@ def run_recipe(
         save_summary()
 
     # 3. fine-tuning (and refining) -------------------------------------------------------------
-    todo = [name for name in objectives if _stage_done(work / f"finetune-{name}") is None
-            or (R and _stage_done(work / f"refine-{name}") is None)]
+    N = refine_rounds if R else 0
+    todo = [name for name in objectives
+            if any(_stage_done(work / s) is None for s in [f"finetune-{name}"] + [refine_stage(name, r) for r in range(1, N + 1)])]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B)
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B, N)
     for name in objectives:
         summary["stages"][f"finetune-{name}"] = run_stage(f"finetune-{name}", name, base, F, finetune_lr)
         save_summary()
-        if R:
-            # the F-step model, kept: OUT/<size>-<name> is overwritten
-            start = kept_copy(out / f"{size}-{name}", work / f"finetune-{name}" / "model", f"refine-{name}")
-            summary["stages"][f"refine-{name}"] = run_stage(
-                f"refine-{name}", name, start, R, REFINE_LR, seed=seed + 1,
-                warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
+        before = f"finetune-{name}"
+        for r in range(1, N + 1):
+            stage = refine_stage(name, r)
+            # the previous stage's model, kept: OUT/<size>-<name> is overwritten
+            start = kept_copy(out / f"{size}-{name}", work / before / "model", stage)
+            summary["stages"][stage] = run_stage(stage, name, start, R, REFINE_LR, seed=seed + r,
+                                                 warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
             save_summary()
+            before = stage
     summary["this_run_wall_s"] = round(time.perf_counter() - t_all, 1)
     save_summary()
     log(f"all stages done; summary in {out / SUMMARY_FILE}")
@@ -275,7 +292,8 @@ def run_recipe(
 
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
                       batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
-                      device: str = "cpu", refine_steps: int = 0, base_ar_steps: int = 0) -> None:
+                      device: str = "cpu", refine_steps: int = 0, base_ar_steps: int = 0,
+                      refine_rounds: int = 1) -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -286,7 +304,8 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
         c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
              "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device,
-             "--refine-steps", str(refine_steps), "--base-ar-steps", str(base_ar_steps), "--no-progress"]
+             "--refine-steps", str(refine_steps), "--refine-rounds", str(refine_rounds),
+             "--base-ar-steps", str(base_ar_steps), "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -318,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=None)
     p.add_argument("--finetune-steps", type=int, default=None)
     p.add_argument("--refine-steps", type=int, default=None, help=f"R more steps per objective after F (default {DEFAULT_REFINE_STEPS})")
+    p.add_argument("--refine-rounds", type=int, default=DEFAULT_REFINE_ROUNDS,
+                   help=f"refine stages per objective, each R steps from the one before (default {DEFAULT_REFINE_ROUNDS})")
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help="B more ar steps on the base, at the fine-tune lr, before the objectives branch (default 0)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
@@ -337,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
                threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
-               device=a.device, refine_steps=a.refine_steps, base_ar_steps=a.base_ar_steps)
+               device=a.device, refine_steps=a.refine_steps, base_ar_steps=a.base_ar_steps,
+               refine_rounds=a.refine_rounds)
     return 0
 
 
