@@ -94,7 +94,8 @@ def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
     round2 = load_file(out / "work" / "refine2-refusion" / "model" / "model.safetensors")
     final = load_file(out / "micro-refusion" / "model.safetensors")
     assert any(not round1[k].equal(round2[k]) for k in final) and any(not round2[k].equal(final[k]) for k in final)
-    assert all(stages[refine_stage("refusion", r)]["steps"] == 2 for r in (1, 2, 3))
+    assert [stages[refine_stage("refusion", r)]["steps"] for r in (1, 2, 3)] == [2, 2, 2]
+    assert [stages[refine_stage("refusion", r)]["seed"] for r in (1, 2, 3)] == [1, 2, 3]  # data order seed + r
     assert run_recipe(out, refine_rounds=3, **kw)["stages"] == stages  # done: nothing retrains
     with pytest.raises(ValueError, match="refine_rounds"):
         run_recipe(out, refine_rounds=0, **kw)

@@ -218,7 +218,8 @@ def run_recipe(
         trainer = Trainer(model, tok, objective, train_pairs, config(steps, lr, **kw), work / stage,
                           val_pairs=val_pairs, final_dir=final)
         result = trainer.train(resume=True)
-        result.update(stage=stage, output=str(final), group_by_length=trainer.config.group_by_length)
+        result.update(stage=stage, output=str(final), group_by_length=trainer.config.group_by_length,
+                      seed=trainer.config.seed)
         _write_json(work / stage / STAGE_FILE, result)
         return result
 
@@ -267,8 +268,8 @@ def run_recipe(
 
     # 3. fine-tuning (and refining) -------------------------------------------------------------
     N = refine_rounds if R else 0
-    todo = [name for name in objectives
-            if any(_stage_done(work / s) is None for s in [f"finetune-{name}"] + [refine_stage(name, r) for r in range(1, N + 1)])]
+    todo = [name for name in objectives if any(
+        _stage_done(work / s) is None for s in [f"finetune-{name}", *(refine_stage(name, r) for r in range(1, N + 1))])]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
         run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B, N)
