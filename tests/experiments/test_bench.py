@@ -86,3 +86,24 @@ def test_label_offset_moves_a_label_off_a_neighbours():
     dx, dy = label_offset(102, 96, [first])  # a point 4 points below the first: its label must go elsewhere
     assert abs(102 + dx - first[0]) > 45 or abs(96 + dy - first[1]) > 11
     assert label_offset(300, 100, [first]) == LABEL_OFFSETS[0]  # far away: the default place
+
+
+def test_threads_option_sets_torch_threads_and_rejects_zero(tmp_path, bench_config, capsys):
+    """`--threads 1` for a bench beside a training job (2 threads on a shared core spin-wait); 0 is an error."""
+    import torch
+
+    from refusion.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "--threads", "0", "--config", str(bench_config), "--out", str(tmp_path / "o")]) == 2
+        assert "--threads: must be at least 1, got 0" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()  # nothing ran
+        assert main(["ablate", "nothing.yaml", "--threads", "-1"]) == 2
+        assert "--threads" in capsys.readouterr().err
+        from refusion.experiments.runner import set_threads
+
+        set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from refusion.core.config import ConfigError
 from refusion.experiments.bench import load_bench_config
-from refusion.experiments.runner import Run, evaluate, markdown_table, print_table, summarize, write_json
+from refusion.experiments.runner import Run, evaluate, markdown_table, print_table, set_threads, summarize, write_json
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 
@@ -212,10 +212,13 @@ def add_ablate_command(sub) -> None:
     p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
     p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core; 1 beside another busy process)")
     p.set_defaults(func=cmd_ablate)
 
 
 def cmd_ablate(a) -> int:
+    set_threads(a.threads)
     cfg = load_ablation(a.config)
     out = Path(a.out or f"runs/ablate/{cfg.name}")
     rows = run_ablation(a.config, out, a.resume, a.limit, a.device)

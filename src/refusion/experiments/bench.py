@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from refusion.core.config import ConfigError, apply_overrides
-from refusion.experiments.runner import Run, evaluate, print_table, summarize, write_json
+from refusion.experiments.runner import Run, evaluate, print_table, set_threads, summarize, write_json
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "bench.yaml"
 
@@ -150,10 +150,13 @@ def add_bench_command(sub) -> None:
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core; 1 beside another busy process)")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(a) -> int:
+    set_threads(a.threads)
     out = Path(a.out)
     rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
                      a.limit or None, out, a.split, a.config, a.set, a.resume, a.device, a.model)
