@@ -109,3 +109,16 @@ def test_fine_tune_workers_get_the_refine_rounds(tmp_path, monkeypatch):
     monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
     run_finetune_jobs(tmp_path, ["mdm"], 1, 10, 5, 4, 0, None, "micro", refine_steps=3, refine_rounds=2)
     assert seen[0].cmd[seen[0].cmd.index("--refine-rounds") + 1] == "2"
+
+
+def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):
+    """Fine-tune workers write recipe_summary.json at the same time; a shared temporary name made one fail."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from refusion.training.recipe import _write_json
+
+    path = tmp_path / SUMMARY_FILE
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: _write_json(path, {"writer": i, "pad": "x" * 20000}), range(400)))
+    assert json.loads(path.read_text())["pad"] == "x" * 20000
+    assert [p.name for p in tmp_path.iterdir()] == [SUMMARY_FILE]  # no temporary file left behind

@@ -70,6 +70,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -103,8 +104,12 @@ def _stage_done(work: Path) -> dict | None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    """Write ``data`` to ``path`` atomically; fine-tune workers write the same summary at once, so each
+    write goes through its own temporary file (a shared ``.tmp`` name let one worker's replace fail)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=2, default=str))
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would carry over to the summary
     os.replace(tmp, path)
 
 
