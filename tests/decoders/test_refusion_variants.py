@@ -34,6 +34,24 @@ def test_left_to_right_chooses_the_leftmost_slot(backbone):
     assert_sound(res, backbone)
 
 
+@pytest.mark.parametrize("fallback", ["best", "leftmost"])
+def test_threshold_fallback_when_no_slot_passes(fallback):
+    from refusion.plugins.selectors import ThresholdSelector
+
+    sel = ThresholdSelector(ThresholdSelector.Options(slot_threshold=0.9, fallback=fallback))
+    assert sel.select(torch.tensor([0.2, 0.95, 0.3, 0.99])) == [1, 3]  # slots that pass: the fallback is unused
+    assert sel.select(torch.tensor([0.2, 0.5, 0.3, 0.8])) == ([3] if fallback == "best" else [0])
+
+
+def test_leftmost_fallback_decodes_in_order_when_nothing_is_confident(backbone):
+    ban_token(backbone.model, backbone.eos_id)
+    res = run(backbone, selector={"slot_threshold": 1.0, "fallback": "leftmost"}, verifier={"token_threshold": 0.5})
+    starts = [t.chosen[0] for t in res.trace]
+    assert all(len(t.chosen) == 1 for t in res.trace) and starts == sorted(starts)
+    assert starts[0] == len(PROMPT)
+    assert_sound(res, backbone)
+
+
 @pytest.mark.parametrize("cfg", [
     {"selector": {"slot_threshold": 0.02}, "verifier": {"token_threshold": 0.0}},
     {"selector": {"name": "left_to_right", "n": 2}, "verifier": {"token_threshold": 0.0}},

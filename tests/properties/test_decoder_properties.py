@@ -23,7 +23,8 @@ def refusion_config(draw):
     gen_length = draw(st.integers(max(1, (n_slots - 1) * k + 1), n_slots * k))
     cfg = {"decoder": "refusion", "gen_length": gen_length, "slot_size": k, "serial_blocks": blocks,
            "scorer": draw(st.sampled_from(["first_token_prob", "mean_prob", "mean_neg_entropy", "margin"])),
-           "selector": draw(st.one_of(st.builds(lambda t: {"name": "threshold", "slot_threshold": t}, thresholds),
+           "selector": draw(st.one_of(st.builds(lambda t, f: {"name": "threshold", "slot_threshold": t, "fallback": f},
+                                                            thresholds, st.sampled_from(["best", "leftmost"])),
                                       st.builds(lambda n: {"name": "left_to_right", "n": n}, st.integers(1, 3)))),
            "verifier": {"token_threshold": draw(thresholds)},
            "cache": draw(st.sampled_from(["kv_concat", "kv_recompute"])),
