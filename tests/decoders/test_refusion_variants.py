@@ -52,6 +52,32 @@ def test_leftmost_fallback_decodes_in_order_when_nothing_is_confident(backbone):
     assert_sound(res, backbone)
 
 
+@pytest.mark.parametrize("window", [1, 2])
+def test_draft_window_drafts_the_same_tokens_with_narrower_forwards(backbone, window):
+    # causal attention: a mask's logits do not depend on the masks to its right, so with the leftmost
+    # slot chosen every time, drafting a window of the pool gives the output of drafting all of it
+    widths = []
+    hook = backbone.model.register_forward_hook(lambda m, args, kw, out: widths.append(kw["input_ids"].shape[-1]),
+                                                with_kwargs=True)
+    try:
+        cfg = dict(selector={"slot_threshold": 1.0, "fallback": "leftmost"}, verifier={"token_threshold": 0.5})
+        full = run(backbone, **cfg)
+        n_full = len(widths)
+        windowed = run(backbone, draft_window=window, **cfg)
+    finally:
+        hook.remove()
+    assert windowed.token_ids == full.token_ids and windowed.stats.nfe == full.stats.nfe
+    assert sum(widths[n_full:]) < sum(widths[:n_full])
+    assert all(len(t.scored) <= window for t in windowed.trace)
+    assert_sound(windowed, backbone)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_draft_window_keeps_fused_scheduling_exact(backbone, window):
+    cfg = dict(selector={"slot_threshold": 0.02}, verifier={"token_threshold": 0.0}, draft_window=window)
+    assert run(backbone, fused=True, **cfg).token_ids == run(backbone, **cfg).token_ids
+
+
 @pytest.mark.parametrize("cfg", [
     {"selector": {"slot_threshold": 0.02}, "verifier": {"token_threshold": 0.0}},
     {"selector": {"name": "left_to_right", "n": 2}, "verifier": {"token_threshold": 0.0}},

@@ -5,7 +5,8 @@ positions. Per iteration, on the pool of the block's still-masked slots (in posi
 
     Stage I    one forward of all pool [MASK]s at their ORIGINAL positions after the committed buffer
                (their KV dropped again) -> drafter -> Proposal [n_pool, k]; scorer -> one score per
-               slot; selector -> the chosen slots (threshold with top-1 fallback)
+               slot; selector -> the chosen slots (threshold with top-1 fallback). With
+               ``draft_window`` W only the W leftmost pool slots are drafted (and can be chosen)
     Stage II-a one causal forward of the chosen drafts concatenated in position order; verifier ->
                longest passing prefix. EOS inside it: accept up to the EOS, drop the pool from the EOS
                slot on, stop after this block. Else accept the prefix's whole slots (their KV from this
@@ -17,8 +18,11 @@ positions. Per iteration, on the pool of the block's still-masked slots (in posi
 Committed slots are appended to the buffer, ahead of the remaining masks, with their original position
 ids; the output is the committed tokens sorted by position. Variants, each off by default and chosen
 by config: a ``remasker`` (``sub_slot``: keep a completed slot's confident prefix, remask the rest),
-adaptive slots (``split_threshold``: cut a chosen slot before its first low-confidence draft) and
-``fused`` scheduling (the next Stage I rides on the II-a forward). Slots may therefore differ in size;
+adaptive slots (``split_threshold``: cut a chosen slot before its first low-confidence draft),
+``fused`` scheduling (the next Stage I rides on the II-a forward) and a sliding ``draft_window``: the
+masks follow the committed buffer in position order under causal attention, so a mask's logits do not
+depend on the masks to its right and the W leftmost slots' drafts are those of the full Stage I; slots
+further right wait, and the forward is narrower. Slots may therefore differ in size;
 proposals are padded to the largest with a ``valid`` mask. Differences from the reference code:
 docs/refusion.md.
 """
@@ -41,6 +45,9 @@ from refusion.decoders.common import cut_after_eos, next_token_probs
 class RefusionOptions(DecoderOptions):
     slot_size: int = Field(8, ge=1, le=4096, description="tokens per slot (k)")
     serial_blocks: int = Field(1, ge=1, description="serial blocks decoded left to right")
+    draft_window: int | None = Field(
+        None, ge=1, description="Stage I drafts only this many leftmost pool slots (None: every pool slot, "
+        "the reference)")
     split_threshold: float | None = Field(
         None, ge=0.0, le=1.0,
         description="adaptive slots: cut a chosen slot before its first draft token with Stage-I prob below this")
@@ -116,14 +123,15 @@ class RefusionDecoder(Decoder):
 
     # ------------------------------------------------------------------ Stage I
     def _stage_one(self, st: DecodeState, cache, generator) -> tuple[object, Proposal, bool]:
-        """Draft every pool slot: -> (cache, proposal [n_pool, k_max], whether the logits were reused)."""
+        """Draft the pool's window: -> (cache, proposal [n_drafted, k_max], whether the logits were reused)."""
         bb = self.backbone
+        drafted = st.pool[: self.options.draft_window]
         base = len(st.ids)
         fused = st.next_logits is not None
         if fused:
             logits, st.next_logits = st.next_logits, None
         else:
-            mask_pos = [p for s in st.pool for p in s.positions]  # [N]
+            mask_pos = [p for s in drafted for p in s.positions]  # [N]
             masks = [bb.mask_id] * len(mask_pos)
             if cache is None:  # first call: the prompt's prefill rides along
                 cache = bb.new_cache()
@@ -131,7 +139,7 @@ class RefusionDecoder(Decoder):
                 bb.crop(cache, base)
             else:
                 logits = bb.forward(torch.tensor(masks), torch.tensor(mask_pos), cache, keep_kv=False)[0]
-        padded, valid = pad_slots(logits, st.pool)  # [n_pool, k_max, V]
+        padded, valid = pad_slots(logits, drafted)  # [n_drafted, k_max, V]
         proposal = self.parts["drafter"].draft(padded, generator)
         proposal.valid = valid
         return cache, proposal, fused
@@ -157,7 +165,7 @@ class RefusionDecoder(Decoder):
         bb, o = self.backbone, self.options
         base = len(st.ids)
         cache, proposal, fused = self._stage_one(st, cache, generator)
-        scores = self.parts["scorer"].score(proposal)  # [n_pool]
+        scores = self.parts["scorer"].score(proposal)  # [n_drafted]: the pool's first slots
         chosen_idx = self.parts["selector"].select(scores)
         chosen = [st.pool[i] for i in chosen_idx]
         trace = IterationTrace(
@@ -174,7 +182,7 @@ class RefusionDecoder(Decoder):
         flat_pos = torch.tensor([p for s in chosen for p in s.positions])  # [n]
 
         # Stage II-a: global causal verification of the concatenated drafts (+ unchosen masks if fused).
-        rest = [s for s in st.pool if s not in chosen]
+        rest = [s for s in st.pool if s not in chosen][: o.draft_window]  # the next Stage I's slots if all pass
         ids, pos = flat_ids, flat_pos
         if o.fused and rest:
             rest_pos = torch.tensor([p for s in rest for p in s.positions])
