@@ -5,6 +5,11 @@
     python docs/diagnostics/facts_by_attribute.py judge MODEL [MODEL ...]
         teacher-forced on the gold answers of the validation capital questions, natural order: how often
         the model's next-token logits rank the gold judgement (" yes" / " no") above the other one
+    python docs/diagnostics/facts_by_attribute.py layout MODEL
+        the `refusion` objective's training layout of the train split's capital questions (5 draws
+        each, seed 0, the MODEL's tokenizer): how often the right option's " yes" is a training target
+        (AR: from the clean token before it; MDM: as a masked token) with the whole stated capital
+        ("The capital of X is <value>.") visible to it, i.e. clean and earlier in the buffer
 """
 
 from __future__ import annotations
@@ -64,5 +69,42 @@ def judge(models: list[str]) -> None:
               f"gold no judged right {counts['no', True]}/{counts['no', True] + counts['no', False]}")
 
 
+def layout(models: list[str]) -> None:
+    from refusion.models.loading import load_pretrained
+    from refusion.plugins.objectives import RefusionObjective
+    from refusion.training.data import encode_pair
+
+    _, tok = load_pretrained(models[0])
+    questions = [e for e in get_task("facts").examples("train") if attribute(e.response) == "capital"
+                 and " (A)" in e.response]
+    objective = RefusionObjective.from_tokenizer(tok)
+    (yes,) = tok.encode(" yes", add_special_tokens=False)
+    generator = torch.Generator().manual_seed(0)
+    counts = collections.Counter()
+    for _ in range(5):
+        for start in range(0, len(questions), 64):
+            pairs = [encode_pair(tok, e.query, e.response) for e in questions[start : start + 64]]
+            batch = objective.make_batch(pairs, generator)
+            for r, (prompt, response) in enumerate(pairs):
+                pieces = [tok.decode([t]).strip() for t in response]
+                value = {len(prompt) + k for k in range(pieces.index("is") + 1, pieces.index("."))}
+                target = len(prompt) + response.index(yes)  # original position of the right option's " yes"
+                ids, pos = batch.input_ids[r].tolist(), batch.position_ids[r].tolist()
+                labels, masked = batch.labels[r].tolist(), batch.masked[r].tolist()
+                for i in range(len(ids)):
+                    if masked[i] and pos[i] == target:
+                        kind = "MDM"
+                    elif not masked[i] and pos[i] == target - 1 and labels[i] == yes:
+                        kind = "AR"
+                    else:
+                        continue
+                    visible = {pos[j] for j in range(i + 1) if ids[j] != objective.mask_id}
+                    counts[kind, value <= visible] += 1
+    draws = 5 * len(questions)
+    for kind in ("AR", "MDM"):
+        n = counts[kind, True] + counts[kind, False]
+        print(f"{kind}: target in {n} of {draws} draws, the stated capital visible in {counts[kind, True]}")
+
+
 if __name__ == "__main__":
-    {"accuracy": accuracy, "judge": judge}[sys.argv[1]](sys.argv[2:])
+    {"accuracy": accuracy, "judge": judge, "layout": layout}[sys.argv[1]](sys.argv[2:])
