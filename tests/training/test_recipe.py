@@ -7,8 +7,8 @@ from refusion.training.recipe import SUMMARY_FILE, report, run_recipe
 
 def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
     out = tmp_path / "recipe"
-    kw = dict(pretrain_steps=2, finetune_steps=1, refine_steps=2, batch_size=4, size="micro",
-              objectives=("refusion", "ar"), threads=1, progress=False, train_limit=48, jobs=2)
+    kw = dict(pretrain_steps=2, finetune_steps=1, refine_steps=2, base_ar_steps=0, refine_rounds=1, batch_size=4,
+              size="micro", objectives=("refusion", "ar"), threads=1, progress=False, train_limit=48, jobs=2)
     summary = run_recipe(out, **kw)
     stages = summary["stages"]
     assert list(stages) == ["tokenizer", "pretrain", "finetune-refusion", "refine-refusion", "finetune-ar", "refine-ar"]
@@ -63,8 +63,8 @@ def test_mdm_trains_on_random_batches_the_others_on_length_grouped_ones(tmp_path
     """mdm's EOS padding to the batch's longest response needs batches of mixed lengths (LLaDA's SFT)."""
     from refusion.training.recipe import GROUP_BY_LENGTH
 
-    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=1, batch_size=4, size="micro",
-              objectives=("mdm", "block"), threads=1, progress=False, train_limit=48)
+    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=1, base_ar_steps=0, refine_rounds=1, batch_size=4,
+              size="micro", objectives=("mdm", "block"), threads=1, progress=False, train_limit=48)
     stages = run_recipe(tmp_path / "recipe", **kw)["stages"]
     grouping = {name: st["group_by_length"] for name, st in stages.items() if "group_by_length" in st}
     assert grouping == {"pretrain": GROUP_BY_LENGTH, "finetune-mdm": 0, "refine-mdm": 0,
@@ -80,9 +80,9 @@ def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
     from refusion.training.recipe import refine_stage
 
     out = tmp_path / "recipe"
-    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=2, batch_size=4, size="micro",
+    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=2, base_ar_steps=0, batch_size=4, size="micro",
               objectives=("refusion",), threads=1, progress=False, train_limit=48)
-    one = run_recipe(out, **kw)["stages"]
+    one = run_recipe(out, refine_rounds=1, **kw)["stages"]
     assert refine_stage("refusion", 1) == "refine-refusion" and refine_stage("refusion", 3) == "refine3-refusion"
     summary = run_recipe(out, refine_rounds=3, **kw)
     stages = summary["stages"]

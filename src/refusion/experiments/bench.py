@@ -160,7 +160,7 @@ def add_bench_command(sub) -> None:
     p = sub.add_parser("bench", help="every decoder on every tinybench task: accuracy and speed table")
     p.add_argument("--tasks", default="arith,code,facts", help="comma-separated tinybench tasks")
     p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
-    p.add_argument("--limit", type=int, default=50, help="samples per task (default 50; 0 = whole split)")
+    p.add_argument("--limit", type=int, default=0, help="samples per task (default 0: the whole split, 200 per task)")
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--out", default="runs/bench", help="output folder (samples.jsonl, results.json, plots)")
     p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")

@@ -70,10 +70,11 @@ def add_train_command(subparsers: Any) -> None:
                    help="recipe: further steps per objective after F, under a fresh schedule (R; default: the "
                         "shipped recipe's, 2400)")
     p.add_argument("--refine-rounds", type=int, default=None,
-                   help="recipe: refine stages per objective, each R steps from the one before (N; default 1)")
+                   help="recipe: refine stages per objective, each R steps from the one before (N; default: "
+                        "the shipped recipe's, 3)")
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
-                        "(B; default 0)")
+                        "(B; default: the shipped recipe's, 3000)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
     p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

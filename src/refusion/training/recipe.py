@@ -7,14 +7,14 @@ stage resumes from its ``trainer_state.pt``):
    saved to ``OUT/tokenizer``;
 2. ``pretrain``: a fresh ``tiny`` Qwen3 (3.4M parameters with the 1024-token vocabulary) trained from
    scratch with ``ar`` on tinybench train for P steps -> ``OUT/tiny-base``;
-   With ``--base-ar-steps B`` (default 0), ``base-ar`` then trains the base B more steps with ``ar`` under
+   With ``--base-ar-steps B`` (default 3000), ``base-ar`` then trains the base B more steps with ``ar`` under
    the fine-tune schedule -> ``OUT/tiny-base`` (the P-step base kept in ``OUT/work/pretrain/model``);
 3. ``finetune-<obj>`` for ``refusion``, ``ar``, ``mdm``, ``block``: each starts from the SAME
    ``tiny-base`` checkpoint and trains F steps on the same data, batch size and learning-rate schedule
    -> ``OUT/tiny-<obj>``;
    With ``--refine-steps R`` (default 2400), ``refine-<obj>`` then trains each R more steps under a fresh
    schedule (peak lr 5e-4, 100 warmup steps, data order seeded ``seed + 1``) -> ``OUT/tiny-<obj>``, the
-   F-step model kept in ``OUT/work/finetune-<obj>/model``; with ``--refine-rounds N`` (default 1) that
+   F-step model kept in ``OUT/work/finetune-<obj>/model``; with ``--refine-rounds N`` (default 3) that
    stage runs N times, round r >= 2 as ``refine<r>-<obj>`` from round r - 1's model (kept in that round's
    ``OUT/work/<stage>/model``), data order seeded ``seed + r``;
 4. ``OUT/recipe_summary.json``: per stage wall time, steps, batch size, lr, params, final train
@@ -61,6 +61,11 @@ schedule took its ReFusion accuracy on 50 validation samples per task from 74/96
 92/84/64% (docs/training.md); every objective gets the same steps, so the comparison stays controlled.
 On the 2-core CPU a 1-thread refine step took ~1.2 s (``ar``, ``refusion``), ~1.3 s (``mdm``) and ~2.1 s
 (``block``) two processes at a time: ~2.2 h for the four with ``--jobs 2``.
+B = 3000 and N = 3 (v5): the hybrid objective keeps an AR skill it starts from better than it teaches
+one, so every objective now branches from ``tiny-base`` + 3,000 ``ar`` steps (ReFusion's validation facts
+80.5% against 40.5% after the same F hybrid steps); and each further refine round added 3-4.5 points of
+ReFusion arith (87.0%, 90.0%, 94.5% after rounds 1-3), while a fourth gave none (docs/training.md).
+On the 2-core CPU the stage times of the v5 run sum to ~22 h of 1-thread work (~11 h with ``--jobs 2``).
 """
 
 from __future__ import annotations
@@ -83,8 +88,8 @@ DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
 DEFAULT_REFINE_STEPS = 2400
-DEFAULT_REFINE_ROUNDS = 1
-DEFAULT_BASE_AR_STEPS = 0
+DEFAULT_REFINE_ROUNDS = 3
+DEFAULT_BASE_AR_STEPS = 3000
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
 GROUP_BY_LENGTH = 64
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refine-rounds", type=int, default=DEFAULT_REFINE_ROUNDS,
                    help=f"refine stages per objective, each R steps from the one before (default {DEFAULT_REFINE_ROUNDS})")
     p.add_argument("--base-ar-steps", type=int, default=None,
-                   help="B more ar steps on the base, at the fine-tune lr, before the objectives branch (default 0)")
+                   help=f"B more ar steps on the base, at the fine-tune lr, before the objectives branch (default {DEFAULT_BASE_AR_STEPS})")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
