@@ -1,7 +1,8 @@
 """facts, split by attribute: where do the misses fall, and can the model judge the walk's options?
 
-    python docs/diagnostics/facts_by_attribute.py accuracy RUN_DIR [RUN_DIR ...]
-        per run of each bench/ablate output folder: right answers per attribute (validation split)
+    python docs/diagnostics/facts_by_attribute.py accuracy [--split test] RUN_DIR [RUN_DIR ...]
+        per run of each bench/ablate output folder: right answers per attribute (the folders' split:
+        validation unless --split names another)
     python docs/diagnostics/facts_by_attribute.py judge MODEL [MODEL ...]
         teacher-forced on the gold answers of the validation capital questions, natural order: how often
         the model's next-token logits rank the gold judgement (" yes" / " no") above the other one
@@ -28,8 +29,9 @@ def attribute(response: str) -> str:
     return re.match(r"The (\w+)", response).group(1)
 
 
-def accuracy(folders: list[str]) -> None:
-    gold = get_task("facts").examples("validation")
+def accuracy(args: list[str]) -> None:
+    split, folders = (args[1], args[2:]) if args[:1] == ["--split"] else ("validation", args)
+    gold = get_task("facts").examples(split)
     for folder in folders:
         right, total = collections.Counter(), collections.Counter()
         models = {}
