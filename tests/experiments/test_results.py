@@ -112,6 +112,18 @@ def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
     assert verdict(CLAIM["token_threshold"], speed)[0] == "holds"  # a speed claim is tested at any accuracy
 
 
+def test_frontier_skips_a_task_where_every_setting_of_a_decoder_has_one_tpf():
+    """v5 code: all four ReFusion settings decoded at TPF 19.87; arith and facts still decide the claim."""
+    arith = [row("arith", "r1", 0.90, tpf=1.5), row("arith", "r2", 0.88, tpf=3.0),
+             row("arith", "l1", 0.80, tpf=1.0, decoder="llada"), row("arith", "l2", 0.40, tpf=2.0, decoder="llada")]
+    code = [row("code", "r1", 1.0, tpf=19.87), row("code", "r2", 1.0, tpf=19.87),
+            row("code", "l1", 0.25, tpf=8.0, decoder="llada"), row("code", "l2", 0.10, tpf=16.0, decoder="llada")]
+    word, why = verdict(CLAIM["frontier"], arith + code)
+    assert word == "holds" and why[0].startswith("arith: yes")
+    assert why[1] == "code: not testable, every refusion setting decodes at TPF 19.87: no TPF range to lose accuracy over"
+    assert verdict(CLAIM["frontier"], code)[0] == "cannot be tested here"
+
+
 def test_frontier_is_not_tested_where_one_decoder_is_at_chance_at_every_tpf():
     """LLaDA at 0% everywhere has no accuracy to lose: 'ReFusion loses more' would be a floor effect."""
     rows = [row("code", "ar", 0.9, decoder="ar"), row("code", "r1", 0.40, tpf=1.2), row("code", "r2", 0.05, tpf=1.6),
