@@ -93,7 +93,6 @@ def run_eval(args: argparse.Namespace) -> int:
         os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")  # the harness's code_eval metric asks for it
 
     import lm_eval
-    from lm_eval.utils import handle_non_serializable, make_table
 
     from refusion.eval.lm_eval_adapter import RefusionLM
 
@@ -113,9 +112,18 @@ def run_eval(args: argparse.Namespace) -> int:
         torch_random_seed=args.seed, fewshot_random_seed=args.seed,
     )
     gathered = lm.gather_object(lm.records, dst=0)
-    if lm.rank != 0:
-        return 0
-    records = [r for part in gathered for r in part]
+    try:
+        if lm.rank == 0:
+            _report(args, lm, results, [r for part in gathered for r in part])
+    finally:
+        lm.close()
+    return 0
+
+
+def _report(args: argparse.Namespace, lm: Any, results: dict, records: list[dict]) -> None:
+    """Rank 0: the harness's table, the decode statistics and, with ``--output``, the JSON file."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
     stats = lm.summary(records)
     print(make_table(results))
     if "groups" in results:
@@ -128,7 +136,6 @@ def run_eval(args: argparse.Namespace) -> int:
                                            "gen_length_from": args.gen_length_from, "stats": stats, "records": records}}
         out.write_text(json.dumps(payload, indent=1, default=handle_non_serializable, ensure_ascii=False))
         print(f"wrote {out}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -212,6 +212,13 @@ class RefusionLM(LM):
         if self.world_size > 1:
             torch.distributed.barrier()
 
+    def close(self) -> None:
+        """Leave the process group together: every rank waits for the others, then tears it down. A rank
+        that exited while rank 0 still wrote its results made rank 0 abort (SIGABRT) once in a CI run."""
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
     # ------------------------------------------------------------------------- decoding
     def decoder_for(self, gen_length: int):
         """The decoder for ``gen_length`` tokens; when that length makes the config invalid, the one for the
