@@ -11,8 +11,9 @@ CLAIM = {c.ablation: c for c in CLAIMS}
 
 
 def row(task, run, acc, tps=10.0, tpf=1.0, n=50, decoder="refusion", **params):
+    nfe = 1.2 if run == "kv_recompute" else 1.0  # recompute's extra forward when slots complete together
     return {"task": task, "run": run, "decoder": decoder, "n": n, "accuracy": acc, "tokens_per_second": tps,
-            "tpf": tpf, "nfe_mean": 1.0, "latency_s_mean": 1.0, "speedup": None, **params}
+            "tpf": tpf, "nfe_mean": nfe, "latency_s_mean": 1.0, "speedup": None, **params}
 
 
 def test_noise_is_two_standard_errors_with_a_floor():
@@ -29,6 +30,16 @@ def test_kv_cache_verdicts_per_task():
     assert verdict(CLAIM["kv_cache"], rows[:2])[0] == "holds"
     slower = [row("arith", "kv_concat", 0.9, tps=9), row("arith", "kv_recompute", 0.9, tps=10)]
     assert verdict(CLAIM["kv_cache"], slower)[0] == "does not hold"
+
+
+def test_kv_cache_is_not_tested_where_both_caches_made_the_same_forwards():
+    """One slot per Stage II-b merge: reuse and recompute do the same work, so a speed ratio is noise."""
+    rows = [row("arith", "kv_concat", 1.0, tps=12, tpf=7.84, nfe_mean=15.6),
+            row("arith", "kv_recompute", 1.0, tps=10, tpf=7.84, nfe_mean=15.6),
+            row("code", "kv_concat", 1.0, tps=12), row("code", "kv_recompute", 1.0, tps=10)]
+    word, why = verdict(CLAIM["kv_cache"], rows)
+    assert word == "holds" and why[0].startswith("arith: not testable, both caches made the same forwards (NFE 15.60)")
+    assert verdict(CLAIM["kv_cache"], rows[:2])[0] == "cannot be tested here"
 
 
 def test_missing_run_cannot_be_tested():
@@ -94,6 +105,26 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
     assert (out / "kv_cache" / "run.log").read_text().split() == ["1", "5", "False"]
     with pytest.raises(RuntimeError, match=r"\['scorers'\]"):
         results.run_all(out, doc, ["kv_cache", "scorers"], jobs=2)
+
+
+def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, monkeypatch):
+    """--only kv_cache after a full run: slot_size keeps its section and its run time; kv_cache's time is new."""
+    import sys
+
+    monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
+    code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'results.json').write_text(sys.argv[2])"
+    monkeypatch.setattr(results, "ablation_command",
+                        lambda name, out, limit, resume, device: [sys.executable, "-c", code, str(out), json.dumps(rows)])
+    out, doc = tmp_path / "runs", tmp_path / "results.md"
+    results.run_all(out, doc, ["kv_cache", "slot_size"], jobs=2)
+    (out / "timings.json").write_text(json.dumps({"kv_cache": 600.0, "slot_size": 120.0}))
+    text = results.run_all(out, doc, ["kv_cache"], jobs=2)
+    assert 'id="slot_size"' in text and 'id="kv_cache"' in text
+    timings = json.loads((out / "timings.json").read_text())
+    assert timings["slot_size"] == 120.0 and timings["kv_cache"] < 600.0  # replaced, not added to
+    assert "| 2.0 min |" in text
 
 
 def test_tasks_at_chance_are_not_tested_for_accuracy_claims():

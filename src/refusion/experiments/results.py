@@ -84,6 +84,9 @@ def _by_task(rows: Rows) -> dict[str, dict[str, dict[str, Any]]]:
 # --------------------------------------------------------------------------------------------------
 def kv_reuse_faster_and_as_accurate(runs: dict[str, dict]) -> Outcome:
     c, r = runs["kv_concat"], runs["kv_recompute"]
+    if r["nfe_mean"] == c["nfe_mean"] and r["tpf"] == c["tpf"]:  # the two differ only when slots complete together
+        raise NotTestable(f"both caches made the same forwards (NFE {c['nfe_mean']:.2f}): no Stage II-b round "
+                          "completed two or more slots at once, where reuse and recompute differ")
     ratio = c["tokens_per_second"] / r["tokens_per_second"]
     same = c["accuracy"] >= r["accuracy"] - noise(c, r)
     return ratio > 1 and same, f"reuse {ratio:.2f}x the tokens/s of recompute, accuracy {_pct(c['accuracy'])} vs {_pct(r['accuracy'])}"
@@ -339,12 +342,17 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, d
 
 def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | None = None, resume: bool = False,
             device: str = "cpu", command: str = "refusion results", jobs: int = 1, run: bool = True) -> str:
-    """Run the ablations (in this process, or in ``jobs`` worker processes) and write ``doc``; with
-    ``run=False`` only rewrite ``doc`` from ``OUT`` (after a change to the verdict rules).
-    Run times accumulate over resumed runs in ``OUT/timings.json``."""
-    names = names or [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
+    """Run the ablations ``names`` (default all; in this process, or in ``jobs`` worker processes) and write
+    ``doc`` from every ablation with results in ``OUT`` (so ``--only`` reruns some and keeps the others'
+    sections); with ``run=False`` only rewrite ``doc`` from ``OUT`` (after a change to the verdict rules).
+    Run times live in ``OUT/timings.json``: a resumed run adds to an ablation's, a fresh one replaces it."""
+    everything = [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
+    names = names or everything
     timing_file = out / "timings.json"
-    timings: dict[str, float] = json.loads(timing_file.read_text()) if (resume or not run) and timing_file.exists() else {}
+    timings: dict[str, float] = json.loads(timing_file.read_text()) if timing_file.exists() else {}
+    if run and not resume:
+        for name in names:
+            timings.pop(name, None)
     if not run:
         missing = [n for n in names if not (out / n / "results.json").is_file()]
         if missing:
@@ -359,7 +367,8 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
             run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, device=device)
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its share
             timing_file.write_text(json.dumps(timings, indent=1))
-    return write_document(out, doc, names, timings, command, jobs)
+    documented = [n for n in everything if n in names or (out / n / "results.json").is_file()]
+    return write_document(out, doc, documented, timings, command, jobs)
 
 
 def add_results_command(sub) -> None:

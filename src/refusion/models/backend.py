@@ -217,10 +217,16 @@ class Backbone:
             layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=-2)
             layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
 
-    @staticmethod
-    def concat_rows(cache: DynamicCache, base_len: int, lengths: list[int]) -> None:
+    @classmethod
+    def concat_rows(cls, cache: DynamicCache, base_len: int, lengths: list[int]) -> None:
         """In place, turn an S-row cache into one row: the shared prefix ``[:base_len]`` (from row 0)
-        followed by, for each row s in order, its own tokens ``base_len .. base_len+lengths[s]``."""
+        followed by, for each row s in order, its own tokens ``base_len .. base_len+lengths[s]``. One row
+        is a crop (a view), not a copy of the whole cache."""
+        if len(lengths) == 1:
+            if cls.cache_rows(cache) > 1:
+                cls.select(cache, [0])
+            cls.crop(cache, base_len + lengths[0])
+            return
         for layer in cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
