@@ -6,8 +6,8 @@
     python docs/diagnostics/facts_by_attribute.py judge MODEL [MODEL ...]
         teacher-forced on the gold answers of the validation capital questions, natural order: how often
         the model's next-token logits rank the gold judgement (" yes" / " no") above the other one
-    python docs/diagnostics/facts_by_attribute.py layout MODEL
-        the `refusion` objective's training layout of the train split's capital questions (5 draws
+    python docs/diagnostics/facts_by_attribute.py layout MODEL [SLOT_SIZES]
+        the `refusion` objective's training layout (slot sizes: the objective's default, or e.g. 16,32) of the train split's capital questions (5 draws
         each, seed 0, the MODEL's tokenizer): how often the right option's " yes" is a training target
         (AR: from the clean token before it; MDM: as a masked token) with the whole stated capital
         ("The capital of X is <value>.") visible to it, i.e. clean and earlier in the buffer
@@ -71,15 +71,16 @@ def judge(models: list[str]) -> None:
               f"gold no judged right {counts['no', True]}/{counts['no', True] + counts['no', False]}")
 
 
-def layout(models: list[str]) -> None:
+def layout(args: list[str]) -> None:
     from refusion.models.loading import load_pretrained
     from refusion.plugins.objectives import RefusionObjective
     from refusion.training.data import encode_pair
 
-    _, tok = load_pretrained(models[0])
+    _, tok = load_pretrained(args[0])
     questions = [e for e in get_task("facts").examples("train") if attribute(e.response) == "capital"
                  and " (A)" in e.response]
-    objective = RefusionObjective.from_tokenizer(tok)
+    options = {"slot_sizes": [int(k) for k in args[1].split(",")]} if len(args) > 1 else None
+    objective = RefusionObjective.from_tokenizer(tok, options)
     (yes,) = tok.encode(" yes", add_special_tokens=False)
     generator = torch.Generator().manual_seed(0)
     counts = collections.Counter()
