@@ -7,10 +7,11 @@
         teacher-forced on the gold answers of the validation capital questions, natural order: how often
         the model's next-token logits rank the gold judgement (" yes" / " no") above the other one
     python docs/diagnostics/facts_by_attribute.py layout MODEL [SLOT_SIZES]
-        the `refusion` objective's training layout (slot sizes: the objective's default, or e.g. 16,32) of the train split's capital questions (5 draws
-        each, seed 0, the MODEL's tokenizer): how often the right option's " yes" is a training target
-        (AR: from the clean token before it; MDM: as a masked token) with the whole stated capital
-        ("The capital of X is <value>.") visible to it, i.e. clean and earlier in the buffer
+        the `refusion` objective's training layout of the train split's capital questions (slot sizes:
+        the objective's default, or e.g. 16,32; 5 draws each, seed 0, the MODEL's tokenizer): how often
+        the right option's " yes" is a training target (AR: from the clean token before it; MDM: as a
+        masked token) with the whole stated capital ("The capital of X is <value>.") visible to it, i.e.
+        clean and earlier in the buffer
 """
 
 from __future__ import annotations
