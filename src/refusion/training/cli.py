@@ -36,6 +36,8 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
 
 def add_train_command(subparsers: Any) -> None:
     """Add the ``train`` subcommand (``func=run_train``) to an argparse subparsers object."""
+    from refusion.training.recipe import DEFAULT_BASE_AR_STEPS, DEFAULT_REFINE_ROUNDS, DEFAULT_REFINE_STEPS
+
     p = subparsers.add_parser("train", help="train a model with one objective, or run the controlled recipe",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objective", help="ar | refusion | mdm | block (or a plugin's objective)")
@@ -68,13 +70,13 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
     p.add_argument("--refine-steps", type=int, default=None,
                    help="recipe: further steps per objective after F, under a fresh schedule (R; default: the "
-                        "shipped recipe's, 2400)")
+                        f"shipped recipe's, {DEFAULT_REFINE_STEPS})")
     p.add_argument("--refine-rounds", type=int, default=None,
                    help="recipe: refine stages per objective, each R steps from the one before (N; default: "
-                        "the shipped recipe's, 3)")
+                        f"the shipped recipe's, {DEFAULT_REFINE_ROUNDS})")
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
-                        "(B; default: the shipped recipe's, 3000)")
+                        f"(B; default: the shipped recipe's, {DEFAULT_BASE_AR_STEPS})")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
     p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -64,7 +64,8 @@ On the 2-core CPU a 1-thread refine step took ~1.2 s (``ar``, ``refusion``), ~1.
 B = 3000 and N = 3 (v5): the hybrid objective keeps an AR skill it starts from better than it teaches
 one, so every objective now branches from ``tiny-base`` + 3,000 ``ar`` steps (ReFusion's validation facts
 80.5% against 40.5% after the same F hybrid steps); and each further refine round added 3-4.5 points of
-ReFusion arith (87.0%, 90.0%, 94.5% after rounds 1-3), while a fourth gave none (docs/training.md).
+ReFusion arith (87.0%, 90.0%, 94.5% after rounds 1-3); rounds 4-6 of the ``refusion`` arm alone, with
+the later ``bench.yaml`` settings, gave 94.5%, 96.5%, 97.5% (docs/training.md, docs/diagnostics/README.md).
 On the 2-core CPU the stage times of the v5 run sum to ~22 h of 1-thread work (~11 h with ``--jobs 2``).
 """
 
