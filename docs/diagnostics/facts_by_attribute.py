@@ -3,9 +3,12 @@
     python docs/diagnostics/facts_by_attribute.py accuracy [--split test] RUN_DIR [RUN_DIR ...]
         per run of each bench/ablate output folder: right answers per attribute (the folders' split:
         validation unless --split names another)
-    python docs/diagnostics/facts_by_attribute.py judge MODEL [MODEL ...]
+    python docs/diagnostics/facts_by_attribute.py judge [--n N] MODEL [MODEL ...]
         teacher-forced on the gold answers of the validation capital questions, natural order: how often
-        the model's next-token logits rank the gold judgement (" yes" / " no") above the other one
+        the model's next-token logits rank the gold judgement (" yes" / " no") above the other one, and
+        on how many questions all four judgements are right; --n N: N capital questions drawn afresh
+        (seed 0) among those whose query falls in the validation split, for a finer measure than the
+        split's 39
     python docs/diagnostics/facts_by_attribute.py layout MODEL [SLOT_SIZES]
         the `refusion` objective's training layout of the train split's capital questions (slot sizes:
         the objective's default, or e.g. 16,32; 5 draws each, seed 0, the MODEL's tokenizer): how often
@@ -48,11 +51,29 @@ def accuracy(args: list[str]) -> None:
             print(f"{folder} {run} ({model}): {cells}")
 
 
-def judge(models: list[str]) -> None:
+def capital_questions(n: int) -> list:
+    """``n`` capital questions, drawn with seed 0, whose queries fall in the validation split."""
+    import random
+
+    from refusion.tasks import split_of
+    from refusion.tasks.facts import ATTRIBUTES
+
+    task, rng, out = get_task("facts"), random.Random(0), []
+    countries = sorted(task.facts)
+    while len(out) < n:
+        e = task.question(rng, rng.choice(countries), ATTRIBUTES[0])
+        if split_of("facts", e.query) == "validation":
+            out.append(e)
+    return out
+
+
+def judge(args: list[str]) -> None:
     from refusion.cli import encode_prompt
     from refusion.models.backend import Backbone
 
-    questions = [e for e in get_task("facts").examples("validation") if attribute(e.response) == "capital"]
+    n, models = (int(args[1]), args[2:]) if args[:1] == ["--n"] else (0, args)
+    questions = (capital_questions(n) if n else
+                 [e for e in get_task("facts").examples("validation") if attribute(e.response) == "capital"])
     for path in models:
         bb = Backbone.from_pretrained(path)
         tok = bb.tokenizer
@@ -63,13 +84,17 @@ def judge(models: list[str]) -> None:
             ids = torch.tensor([prompt + answer])
             with torch.no_grad():
                 logits = bb.model(ids, attention_mask=torch.ones_like(ids)).logits[0]  # [T, V]
+            all_right = True
             for j, t in enumerate(answer):
                 if t in (yes, no):
                     row = logits[len(prompt) + j - 1]
                     guess = yes if row[yes] > row[no] else no
                     counts["yes" if t == yes else "no", guess == t] += 1
+                    all_right &= guess == t
+            counts["question", all_right] += 1
         print(f"{path}: gold yes judged right {counts['yes', True]}/{counts['yes', True] + counts['yes', False]}, "
-              f"gold no judged right {counts['no', True]}/{counts['no', True] + counts['no', False]}")
+              f"gold no judged right {counts['no', True]}/{counts['no', True] + counts['no', False]}, "
+              f"every judgement right on {counts['question', True]}/{len(questions)} questions")
 
 
 def layout(args: list[str]) -> None:
