@@ -101,14 +101,31 @@ def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
         run_recipe(out, refine_rounds=0, **kw)
 
 
+def test_refusion_arm_trains_with_long_slots_from_the_given_round(tmp_path):
+    """objective_options: from round long_slots_from on, the refusion arm's slot sizes are LONG_SLOT_SIZES;
+    earlier rounds and the other arms keep their objective's defaults; each stage records its options."""
+    from refusion.training.recipe import LONG_SLOT_SIZES, objective_options, refine_stage
+
+    assert objective_options("refusion", 0, 2) is None and objective_options("refusion", 1, 2) is None
+    assert objective_options("refusion", 2, 2) == {"slot_sizes": LONG_SLOT_SIZES}
+    assert objective_options("refusion", 9, 0) is None and objective_options("ar", 9, 2) is None
+    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=1, base_ar_steps=0, refine_rounds=2, batch_size=4,
+              size="micro", objectives=("refusion",), threads=1, progress=False, train_limit=48)
+    summary = run_recipe(tmp_path / "recipe", long_slots_from=2, **kw)
+    sizes = {r: summary["stages"][refine_stage("refusion", r)]["options"]["slot_sizes"] for r in (1, 2)}
+    assert sizes == {1: [4, 8, 16, 32], 2: LONG_SLOT_SIZES} and summary["long_slots_from"] == 2
+
+
 def test_fine_tune_workers_get_the_refine_rounds(tmp_path, monkeypatch):
     from refusion.core import workers
     from refusion.training.recipe import run_finetune_jobs
 
     seen = []
     monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
-    run_finetune_jobs(tmp_path, ["mdm"], 1, 10, 5, 4, 0, None, "micro", refine_steps=3, refine_rounds=2)
+    run_finetune_jobs(tmp_path, ["mdm"], 1, 10, 5, 4, 0, None, "micro", refine_steps=3, refine_rounds=2,
+                      long_slots_from=4)
     assert seen[0].cmd[seen[0].cmd.index("--refine-rounds") + 1] == "2"
+    assert seen[0].cmd[seen[0].cmd.index("--long-slots-from") + 1] == "4"
 
 
 def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):
@@ -122,3 +139,36 @@ def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):
         list(pool.map(lambda i: _write_json(path, {"writer": i, "pad": "x" * 20000}), range(400)))
     assert json.loads(path.read_text())["pad"] == "x" * 20000
     assert [p.name for p in tmp_path.iterdir()] == [SUMMARY_FILE]  # no temporary file left behind
+
+
+def test_adopt_stage_takes_a_run_made_with_the_stage_settings_and_refuses_others(tmp_path):
+    """A `refusion train` run with round 2's settings becomes refine2-refusion (the recipe then skips it); a
+    run whose settings differ is refused, naming the field."""
+    import pytest
+
+    from refusion.cli import main
+    from refusion.training.recipe import adopt_stage
+
+    out = tmp_path / "recipe"
+    kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=2, base_ar_steps=0, batch_size=4, size="micro",
+              objectives=("refusion",), threads=1, progress=False, train_limit=48)
+    run_recipe(out, refine_rounds=1, **kw)
+    round1 = (out / "micro-refusion" / "model.safetensors").read_bytes()
+
+    def train(run, seed):
+        assert main(["train", "--objective", "refusion", "--init", str(out / "micro-refusion"), "--out", str(run),
+                     "--steps", "2", "--batch-size", "4", "--lr", "5e-4", "--warmup", "1", "--group-by-length",
+                     "64", "--seed", str(seed), "--limit", "48", "--threads", "1", "--no-progress"]) == 0
+
+    train(tmp_path / "wrong", seed=7)
+    with pytest.raises(ValueError, match="seed: run 7, stage 2"):
+        adopt_stage(out, "refine2-refusion", tmp_path / "wrong", size="micro", batch_size=4, refine_steps=2)
+    with pytest.raises(ValueError, match="refine3-refusion follows refine2-refusion, which is not done"):
+        adopt_stage(out, "refine3-refusion", tmp_path / "wrong", size="micro", batch_size=4, refine_steps=2)
+    train(tmp_path / "run", seed=2)
+    done = adopt_stage(out, "refine2-refusion", tmp_path / "run", size="micro", batch_size=4, refine_steps=2)
+    assert done["adopted_from"] == str(tmp_path / "run") and done["seed"] == 2 and done["steps"] == 2
+    assert (out / "work" / "refine-refusion" / "model" / "model.safetensors").read_bytes() == round1  # kept
+    adopted = (tmp_path / "run" / "model.safetensors").read_bytes()
+    assert (out / "micro-refusion" / "model.safetensors").read_bytes() == adopted
+    assert run_recipe(out, refine_rounds=2, **kw)["stages"]["refine2-refusion"] == done  # skipped, not retrained

@@ -36,7 +36,9 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
 
 def add_train_command(subparsers: Any) -> None:
     """Add the ``train`` subcommand (``func=run_train``) to an argparse subparsers object."""
-    from refusion.training.recipe import DEFAULT_BASE_AR_STEPS, DEFAULT_REFINE_ROUNDS, DEFAULT_REFINE_STEPS
+    from refusion.training.recipe import (
+        DEFAULT_BASE_AR_STEPS, DEFAULT_REFINE_ROUNDS, DEFAULT_REFINE_STEPS, LONG_SLOT_SIZES, LONG_SLOTS_FROM_ROUND,
+    )
 
     p = subparsers.add_parser("train", help="train a model with one objective, or run the controlled recipe",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,6 +79,9 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
                         f"(B; default: the shipped recipe's, {DEFAULT_BASE_AR_STEPS})")
+    p.add_argument("--long-slots-from", type=int, default=None, metavar="ROUND",
+                   help=f"recipe: refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
+                        f"(default: the shipped recipe's, {LONG_SLOTS_FROM_ROUND}; 0: never)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
     p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -115,6 +120,11 @@ def run_train(args: argparse.Namespace) -> int:
             if args.refine_rounds < 1:
                 _error(args, f"--refine-rounds must be >= 1, got {args.refine_rounds} (--refine-steps 0: no refining)")
             kw["refine_rounds"] = args.refine_rounds
+        if args.long_slots_from is not None:
+            if args.long_slots_from < 0:
+                _error(args, "--long-slots-from must be a refine round >= 1, or 0 for never; "
+                             f"got {args.long_slots_from}")
+            kw["long_slots_from"] = args.long_slots_from
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
                    refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
                    progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)

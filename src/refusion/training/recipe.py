@@ -20,6 +20,11 @@ stage resumes from its ``trainer_state.pt``):
 4. ``OUT/recipe_summary.json``: per stage wall time, steps, batch size, lr, params, final train
    metrics and validation metrics (``masked_acc`` for diffusion objectives), rewritten after every stage.
 
+From refine round ``--long-slots-from`` (default 6; 0: never) the ``refusion`` arm draws its slot sizes
+from ``LONG_SLOT_SIZES`` instead of the reference's {4, 8, 16, 32} (:func:`objective_options`).
+``--adopt STAGE=RUN`` makes a finished ``refusion train`` run a refine stage, after checking that its
+saved settings are the stage's (:func:`adopt_stage`).
+
 Training logs and resumable states live in ``OUT/work/<stage>/``; the ``tiny-*`` folders are plain
 Hugging Face folders (bf16 safetensors + tokenizer) ready to copy into ``src/refusion/checkpoints/``.
 To redo a stage, delete ``OUT/work/<stage>`` and its output folder.
@@ -74,6 +79,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -94,6 +100,8 @@ DEFAULT_BASE_AR_STEPS = 3000
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
 GROUP_BY_LENGTH = 64
+LONG_SLOTS_FROM_ROUND = 6
+LONG_SLOT_SIZES = [16, 32]
 OBJECTIVES = ("refusion", "ar", "mdm", "block")
 SUMMARY_FILE = "recipe_summary.json"
 STAGE_FILE = "stage.json"
@@ -102,6 +110,18 @@ STAGE_FILE = "stage.json"
 def refine_stage(objective: str, round_: int) -> str:
     """The name of refine round ``round_`` (1-based) of ``objective``: ``refine-ar``, ``refine2-ar``, ..."""
     return f"refine-{objective}" if round_ == 1 else f"refine{round_}-{objective}"
+
+
+def objective_options(name: str, round_: int, long_slots_from: int = LONG_SLOTS_FROM_ROUND) -> dict | None:
+    """Options of ``name``'s objective in refine round ``round_`` (0: the fine-tune); None: its defaults.
+
+    From round ``long_slots_from`` on (0: never) the ``refusion`` arm draws its slot sizes from
+    ``LONG_SLOT_SIZES`` instead of the reference's {4, 8, 16, 32}: after round 5 the judgement of facts
+    options stalled, because with short slots a judgement is trained with the stated value out of view
+    (docs/training.md, v6)."""
+    if name == "refusion" and long_slots_from and round_ >= long_slots_from:
+        return {"slot_sizes": list(LONG_SLOT_SIZES)}
+    return None
 
 
 def _stage_done(work: Path) -> dict | None:
@@ -138,6 +158,7 @@ def run_recipe(
     refine_steps: int | None = None,
     base_ar_steps: int | None = None,
     refine_rounds: int = DEFAULT_REFINE_ROUNDS,
+    long_slots_from: int = LONG_SLOTS_FROM_ROUND,
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
@@ -152,7 +173,9 @@ def run_recipe(
     its ``OUT/work/<stage>/model``, data order seeded ``seed + r``). ``base_ar_steps``
     B > 0 adds a stage ``base-ar`` before the fine-tunes: B more ``ar`` steps on the pretrained base under
     the fine-tune schedule (the phase-1 base kept in ``OUT/work/pretrain/model``); ``OUT/<size>-base``
-    becomes that model and every objective starts from it, as ReFusion starts from a tuned AR model."""
+    becomes that model and every objective starts from it, as ReFusion starts from a tuned AR model.
+    ``long_slots_from``: the refine round from which the ``refusion`` arm trains with longer slots
+    (:func:`objective_options`; 0: never)."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -179,7 +202,7 @@ def run_recipe(
         "refine_rounds": refine_rounds if R else 0,
         "base_ar_steps": B,
         "batch_size": batch_size, "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "refine_lr": REFINE_LR,
-        "group_by_length": group_by_length,
+        "group_by_length": group_by_length, "long_slots_from": long_slots_from,
         "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "device": device,
         "stages": {},
     }
@@ -235,9 +258,9 @@ def run_recipe(
         return result
 
     def run_stage(stage: str, name: str, init: Path, steps: int, lr: float, final: Path | None = None,
-                  **kw: Any) -> dict:
-        """Train ``name`` from the model in ``init`` into ``final`` (default ``OUT/<size>-<name>``), unless
-        done before."""
+                  options: dict | None = None, **kw: Any) -> dict:
+        """Train ``name`` (objective ``options``, None: its defaults) from the model in ``init`` into ``final``
+        (default ``OUT/<size>-<name>``), unless done before."""
         done = _stage_done(work / stage)
         if done is not None:
             log(f"{stage}: done before, skipped")
@@ -245,9 +268,10 @@ def run_recipe(
         random_batches = OBJ_CLASSES[name].wants_random_batches  # mdm: its EOS padding needs mixed lengths
         if random_batches:
             kw = {"group_by_length": 0, **kw}
-        log(f"{stage}: from {init}, {steps} steps" + (", random batches" if random_batches else ""))
+        log(f"{stage}: from {init}, {steps} steps" + (", random batches" if random_batches else "")
+            + (f", options {options}" if options else ""))
         model, tok = load_pretrained(init)
-        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok), steps, lr,
+        done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok, options), steps, lr,
                            final or out / f"{size}-{name}", **kw)
         log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
         return done
@@ -283,7 +307,8 @@ def run_recipe(
         _stage_done(work / s) is None for s in [f"finetune-{name}", *(refine_stage(name, r) for r in range(1, N + 1))])]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B, N)
+        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B, N,
+                          long_slots_from)
     for name in objectives:
         summary["stages"][f"finetune-{name}"] = run_stage(f"finetune-{name}", name, base, F, finetune_lr)
         save_summary()
@@ -293,6 +318,7 @@ def run_recipe(
             # the previous stage's model, kept: OUT/<size>-<name> is overwritten
             start = kept_copy(out / f"{size}-{name}", work / before / "model", stage)
             summary["stages"][stage] = run_stage(stage, name, start, R, REFINE_LR, seed=seed + r,
+                                                 options=objective_options(name, r, long_slots_from),
                                                  warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
             save_summary()
             before = stage
@@ -302,10 +328,79 @@ def run_recipe(
     return summary
 
 
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja")
+
+
+def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size: str = "tiny",
+                batch_size: int = DEFAULT_BATCH_SIZE, refine_steps: int | None = None, seed: int = 0,
+                group_by_length: int = GROUP_BY_LENGTH, long_slots_from: int = LONG_SLOTS_FROM_ROUND) -> dict:
+    """Make a finished ``refusion train`` run the recipe's refine ``stage`` (``refine<r>-<obj>``), as if the
+    recipe had trained it: the run's saved config and objective options must be the stage's (steps, lr,
+    warmup, batch size, data-order seed, batch grouping, options), else ValueError naming each field that
+    differs. The caller vouches that the run started from round r - 1's model, which must be done in
+    ``out`` and is ``OUT/<size>-<obj>`` now: it is kept in ``OUT/work/<round r - 1>/model`` and the run's
+    model becomes ``OUT/<size>-<obj>``. Writes and returns the stage's ``stage.json`` (``adopted_from``:
+    the run)."""
+    from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
+
+    out, run = Path(out), Path(run)
+    m = re.fullmatch(r"refine(\d*)-(\w+)", stage)
+    if not m or m.group(2) not in OBJ_CLASSES:
+        raise ValueError(f"stage must be a refine stage such as refine4-refusion, got {stage!r}")
+    name, r = m.group(2), int(m.group(1) or 1)
+    work = out / "work"
+    if _stage_done(work / stage) is not None:
+        raise ValueError(f"{stage} is done in {out} already")
+    before = refine_stage(name, r - 1) if r > 1 else f"finetune-{name}"
+    if _stage_done(work / before) is None:
+        raise ValueError(f"{stage} follows {before}, which is not done in {out}")
+    missing = [f for f in ("trainer_state.pt", "train_log.jsonl", "model.safetensors", "config.json")
+               if not (run / f).is_file()]
+    if missing:
+        raise ValueError(f"{run} is not a finished training run: no {', '.join(missing)}")
+    state = torch.load(run / "trainer_state.pt", map_location="cpu", weights_only=False)
+    R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
+    options = OBJ_CLASSES[name].Options(**(objective_options(name, r, long_slots_from) or {})).model_dump()
+    want = {"steps": R, "lr": REFINE_LR, "warmup_steps": min(REFINE_WARMUP, max(1, R // 20)),
+            "batch_size": batch_size, "seed": seed + r,
+            "group_by_length": 0 if OBJ_CLASSES[name].wants_random_batches else group_by_length}
+    have = {**{k: state["config"].get(k) for k in want}, "step": state["step"]}
+    want["step"] = R
+    diff = [f"{k}: run {have[k]!r}, stage {v!r}" for k, v in want.items() if have[k] != v]
+    if state["objective"]["name"] != name:
+        diff.append(f"objective: run {state['objective']['name']!r}, stage {name!r}")
+    if state["objective"]["options"] != options:
+        diff.append(f"options: run {state['objective']['options']}, stage {options}")
+    if diff:
+        raise ValueError(f"{run} is not {stage} of this recipe: " + "; ".join(diff))
+    logs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    last = lambda kind: next((row for row in reversed(logs) if row.get("kind") == kind), {})  # noqa: E731
+    final = out / f"{size}-{name}"
+    if not (work / before / "model").is_dir():
+        shutil.copytree(final, work / before / "model")
+    (work / stage).mkdir(parents=True)
+    for f in ("trainer_state.pt", "train_log.jsonl"):
+        shutil.copy2(run / f, work / stage / f)
+    for f in MODEL_FILES:
+        if (run / f).is_file():
+            shutil.copy2(run / f, final / f)
+    skip = {"kind", "step", "lr", "tokens", "tok_per_s", "elapsed"}
+    done = {"objective": name, "options": options, "steps": state["step"], "finished": True,
+            "train": {k: v for k, v in last("train").items() if k not in skip},
+            "eval": {k: v for k, v in last("eval").items() if k not in skip},
+            "tokens": state["tokens_seen"], "wall_s": round(state["elapsed"], 2), "batch_size": batch_size,
+            "lr": REFINE_LR, "stage": stage, "output": str(final), "group_by_length": want["group_by_length"],
+            "seed": seed + r, "eval_batch_size": state["config"].get("eval_batch_size"),
+            "adopted_from": str(run)}
+    _write_json(work / stage / STAGE_FILE, done)
+    return done
+
+
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
                       batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
                       device: str = "cpu", refine_steps: int = 0, base_ar_steps: int = 0,
-                      refine_rounds: int = 1) -> None:
+                      refine_rounds: int = 1, long_slots_from: int = LONG_SLOTS_FROM_ROUND) -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -317,7 +412,7 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
              "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device,
              "--refine-steps", str(refine_steps), "--refine-rounds", str(refine_rounds),
-             "--base-ar-steps", str(base_ar_steps), "--no-progress"]
+             "--base-ar-steps", str(base_ar_steps), "--long-slots-from", str(long_slots_from), "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -353,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"refine stages per objective, each R steps from the one before (default {DEFAULT_REFINE_ROUNDS})")
     p.add_argument("--base-ar-steps", type=int, default=None,
                    help=f"B more ar steps on the base, at the fine-tune lr, before the objectives branch (default {DEFAULT_BASE_AR_STEPS})")
+    p.add_argument("--long-slots-from", type=int, default=LONG_SLOTS_FROM_ROUND,
+                   help=f"refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
+                        f"(default {LONG_SLOTS_FROM_ROUND}; 0: never)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
@@ -363,15 +461,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", action="store_true", help="print OUT's summary as a markdown table and exit")
+    p.add_argument("--adopt", metavar="STAGE=RUN", action="append", default=[],
+                   help="make the finished `refusion train` run RUN the refine stage STAGE (its settings are "
+                        "checked against the stage's), then exit; repeatable, in round order")
     a = p.parse_args(argv)
     if a.report:
         print(report(a.out), end="")
+        return 0
+    for item in a.adopt:
+        stage, _, run = item.partition("=")
+        adopt_stage(a.out, stage, run, size=a.size, batch_size=a.batch_size, refine_steps=a.refine_steps,
+                    seed=a.seed, long_slots_from=a.long_slots_from)
+        print(f"{stage}: adopted {run}")
+    if a.adopt:
         return 0
     run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
                threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
                device=a.device, refine_steps=a.refine_steps, base_ar_steps=a.base_ar_steps,
-               refine_rounds=a.refine_rounds)
+               refine_rounds=a.refine_rounds, long_slots_from=a.long_slots_from)
     return 0
 
 
