@@ -161,12 +161,15 @@ def test_adopt_stage_takes_a_run_made_with_the_stage_settings_and_refuses_others
                      "64", "--seed", str(seed), "--limit", "48", "--threads", "1", "--no-progress"]) == 0
 
     train(tmp_path / "wrong", seed=7)
+    adopt = dict(size="micro", batch_size=4, refine_steps=2, train_limit=48)
     with pytest.raises(ValueError, match="seed: run 7, stage 2"):
-        adopt_stage(out, "refine2-refusion", tmp_path / "wrong", size="micro", batch_size=4, refine_steps=2)
+        adopt_stage(out, "refine2-refusion", tmp_path / "wrong", **adopt)
+    with pytest.raises(ValueError, match="train_examples: run 48, stage 40"):  # other training data
+        adopt_stage(out, "refine2-refusion", tmp_path / "wrong", **{**adopt, "train_limit": 40})
     with pytest.raises(ValueError, match="refine3-refusion follows refine2-refusion, which is not done"):
-        adopt_stage(out, "refine3-refusion", tmp_path / "wrong", size="micro", batch_size=4, refine_steps=2)
+        adopt_stage(out, "refine3-refusion", tmp_path / "wrong", **adopt)
     train(tmp_path / "run", seed=2)
-    done = adopt_stage(out, "refine2-refusion", tmp_path / "run", size="micro", batch_size=4, refine_steps=2)
+    done = adopt_stage(out, "refine2-refusion", tmp_path / "run", **adopt)
     assert done["adopted_from"] == str(tmp_path / "run") and done["seed"] == 2 and done["steps"] == 2
     assert (out / "work" / "refine-refusion" / "model" / "model.safetensors").read_bytes() == round1  # kept
     adopted = (tmp_path / "run" / "model.safetensors").read_bytes()

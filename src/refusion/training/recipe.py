@@ -334,15 +334,19 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
 
 def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size: str = "tiny",
                 batch_size: int = DEFAULT_BATCH_SIZE, refine_steps: int | None = None, seed: int = 0,
-                group_by_length: int = GROUP_BY_LENGTH, long_slots_from: int = LONG_SLOTS_FROM_ROUND) -> dict:
+                group_by_length: int = GROUP_BY_LENGTH, long_slots_from: int = LONG_SLOTS_FROM_ROUND,
+                train_limit: int | None = None) -> dict:
     """Make a finished ``refusion train`` run the recipe's refine ``stage`` (``refine<r>-<obj>``), as if the
     recipe had trained it: the run's saved config and objective options must be the stage's (steps, lr,
-    warmup, batch size, data-order seed, batch grouping, options), else ValueError naming each field that
-    differs. The caller vouches that the run started from round r - 1's model, which must be done in
+    warmup, batch size, data-order seed, batch grouping, options, and the number of training examples:
+    tinybench train, or its first ``train_limit``), else ValueError naming each field that differs. The caller vouches that the run started from round r - 1's model, which must be done in
     ``out`` and is ``OUT/<size>-<obj>`` now: it is kept in ``OUT/work/<round r - 1>/model`` and the run's
     model becomes ``OUT/<size>-<obj>``. Writes and returns the stage's ``stage.json`` (``adopted_from``:
     the run)."""
+    from transformers import AutoTokenizer
+
     from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
+    from refusion.training.data import load_pairs
 
     out, run = Path(out), Path(run)
     m = re.fullmatch(r"refine(\d*)-(\w+)", stage)
@@ -365,8 +369,10 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     want = {"steps": R, "lr": REFINE_LR, "warmup_steps": min(REFINE_WARMUP, max(1, R // 20)),
             "batch_size": batch_size, "seed": seed + r,
             "group_by_length": 0 if OBJ_CLASSES[name].wants_random_batches else group_by_length}
-    have = {**{k: state["config"].get(k) for k in want}, "step": state["step"]}
-    want["step"] = R
+    have = {**{k: state["config"].get(k) for k in want}, "step": state["step"],
+            "train_examples": len(state["sampler"]["perm"])}
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer", local_files_only=True)
+    want.update(step=R, train_examples=len(load_pairs("tinybench", tokenizer, "train", limit=train_limit)))
     diff = [f"{k}: run {have[k]!r}, stage {v!r}" for k, v in want.items() if have[k] != v]
     if state["objective"]["name"] != name:
         diff.append(f"objective: run {state['objective']['name']!r}, stage {name!r}")
@@ -471,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in a.adopt:
         stage, _, run = item.partition("=")
         adopt_stage(a.out, stage, run, size=a.size, batch_size=a.batch_size, refine_steps=a.refine_steps,
-                    seed=a.seed, long_slots_from=a.long_slots_from)
+                    seed=a.seed, long_slots_from=a.long_slots_from, train_limit=a.train_limit)
         print(f"{stage}: adopted {run}")
     if a.adopt:
         return 0
