@@ -128,6 +128,22 @@ def test_json_data_loading(char_tokenizer, tmp_path):
         load_pairs(path, char_tokenizer)
 
 
+def test_tinybench_mix_repeats_the_named_tasks_train_examples_only():
+    """'tinybench:facts=3' is tinybench with each facts train example three times; other splits unchanged."""
+    from refusion.tasks import get_task
+    from refusion.training.data import load_texts, tinybench_mix
+
+    assert tinybench_mix("tinybench") == {"arith": 1, "code": 1, "facts": 1} and tinybench_mix("d.json") is None
+    plain, mixed = load_texts("tinybench"), load_texts("tinybench:facts=3")
+    facts = [(e.query, e.response) for e in get_task("facts").examples("train")]
+    assert len(mixed) == len(plain) + 2 * len(facts)
+    assert sorted(mixed) == sorted(plain + facts * 2)
+    assert load_texts("tinybench:facts=3", "validation") == load_texts("tinybench", "validation")
+    for bad in ("tinybench:fact=3", "tinybench:facts=0", "tinybench:facts"):
+        with pytest.raises(ValueError, match="TASK=K with TASK one of arith, code, facts"):
+            load_texts(bad)
+
+
 def test_cli_train_from_folder(char_tokenizer, tmp_path, monkeypatch):
     from refusion.models.loading import save_pretrained
     from refusion.training.cli import add_train_command

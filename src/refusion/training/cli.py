@@ -43,7 +43,8 @@ def add_train_command(subparsers: Any) -> None:
     p = subparsers.add_parser("train", help="train a model with one objective, or run the controlled recipe",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objective", help="ar | refusion | mdm | block (or a plugin's objective)")
-    p.add_argument("--data", default="tinybench", help="'tinybench' or a JSON file of {query, response}")
+    p.add_argument("--data", default="tinybench", help="'tinybench', a tinybench mix such as 'tinybench:facts=3' (facts train examples 3 times), "
+                        "or a JSON file of {query, response}")
     p.add_argument("--init", default="scratch", help="model folder, shipped checkpoint name, or 'scratch'")
     p.add_argument("--out", required=True, help="output folder (log, resumable state, final model)")
     p.add_argument("--recipe", choices=["tiny"], help="run the controlled pretrain + fine-tune recipe")
@@ -99,9 +100,10 @@ def scratch_tokenizer(data: str) -> Any:
     """The tinybench tokenizer, or one trained on a JSON file's queries and responses."""
     from refusion.models import tokenizer as tk
 
-    if data == "tinybench":
+    from refusion.training.data import tinybench_mix, tokenizer_training_texts
+
+    if tinybench_mix(data) is not None:
         return tk.build_tinybench_tokenizer()
-    from refusion.training.data import tokenizer_training_texts
 
     return tk.train_tokenizer(tokenizer_training_texts(data))
 

@@ -6,8 +6,10 @@ tokens added by the tokenizer, so that BPE never merges across the boundary. Dec
 prompts with :func:`encode_prompt` to match.
 
 ``data`` is either ``"tinybench"`` (the generated tasks of :mod:`refusion.tasks`, splits ``train`` /
-``validation`` / ``test``) or the path of a JSON file holding a list of ``{"query", "response"}``
-objects (for such a file, the "validation" split is a fixed 5% held out from it, at least 1 example).
+``validation`` / ``test``), ``"tinybench:TASK=K,..."`` (the same, with each named task's train examples
+repeated K times: a data mixture; other splits unchanged), or the path of a JSON file holding a list of
+``{"query", "response"}`` objects (for such a file, the "validation" split is a fixed 5% held out from
+it, at least 1 example).
 """
 
 from __future__ import annotations
@@ -71,14 +73,34 @@ def _json_split(texts: list[tuple[str, str]], split: str) -> list[tuple[str, str
     raise ValueError(f"unknown split {split!r}")
 
 
+def tinybench_mix(data: str | os.PathLike) -> dict[str, int] | None:
+    """Per-task repeats of the train split when ``data`` names tinybench (``"tinybench"``: 1 each;
+    ``"tinybench:facts=3"``: facts 3, the others 1); None for anything else (a JSON file's path)."""
+    from refusion.tasks import TASKS
+
+    name, sep, spec = str(data).partition(":")
+    if name != TINYBENCH:
+        return None
+    mix = dict.fromkeys(TASKS, 1)
+    for item in spec.split(",") if sep else []:
+        task, _, k = item.partition("=")
+        if task.strip() not in TASKS or not k.strip().isdigit() or int(k) < 1:
+            raise ValueError(f"data {str(data)!r}: each item of a tinybench mix is TASK=K with TASK one of "
+                             f"{', '.join(TASKS)} and K a whole number >= 1, got {item!r}")
+        mix[task.strip()] = int(k)
+    return mix
+
+
 def load_texts(data: str | os.PathLike, split: str = "train") -> list[tuple[str, str]]:
-    """``(query, response)`` texts of ``data`` ("tinybench" or a JSON file) for ``split``."""
-    if str(data) == TINYBENCH:
-        from refusion.tasks import corpus
+    """``(query, response)`` texts of ``data`` (tinybench, a tinybench mix, or a JSON file) for ``split``."""
+    mix = tinybench_mix(data)
+    if mix is not None:
+        from refusion.tasks import get_task
 
         if split == "val":
             split = "validation"
-        return [(ex.query, ex.response) for ex in corpus(split)]
+        repeats = mix if split == "train" else dict.fromkeys(mix, 1)
+        return [(ex.query, ex.response) for name, k in repeats.items() for ex in get_task(name).examples(split) * k]
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"training data {str(data)!r} is neither 'tinybench' nor a JSON file")
@@ -119,4 +141,4 @@ def load_pairs(
 
 def tokenizer_training_texts(data: str | os.PathLike) -> list[str]:
     """Texts to train a tokenizer on (queries with their newline and responses, separately)."""
-    return [s for q, r in load_texts(data, "all" if str(data) != TINYBENCH else "train") for s in (q + PROMPT_SUFFIX, r)]
+    return [s for q, r in load_texts(data, "all" if tinybench_mix(data) is None else "train") for s in (q + PROMPT_SUFFIX, r)]
