@@ -101,19 +101,27 @@ def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
         run_recipe(out, refine_rounds=0, **kw)
 
 
-def test_refusion_arm_trains_with_long_slots_from_the_given_round(tmp_path):
+def test_refusion_arm_trains_with_long_slots_and_every_arm_on_the_mix_from_the_given_rounds(tmp_path, monkeypatch):
     """objective_options: from round long_slots_from on, the refusion arm's slot sizes are LONG_SLOT_SIZES;
-    earlier rounds and the other arms keep their objective's defaults; each stage records its options."""
-    from refusion.training.recipe import LONG_SLOT_SIZES, objective_options, refine_stage
+    earlier rounds and the other arms keep their objective's defaults. stage_data: from round mix_from on,
+    every arm trains on LATE_MIX. Each stage records its options and data."""
+    from refusion.training import recipe
+    from refusion.training.recipe import LONG_SLOT_SIZES, objective_options, refine_stage, stage_data
 
     assert objective_options("refusion", 0, 2) is None and objective_options("refusion", 1, 2) is None
     assert objective_options("refusion", 2, 2) == {"slot_sizes": LONG_SLOT_SIZES}
     assert objective_options("refusion", 9, 0) is None and objective_options("ar", 9, 2) is None
+    assert stage_data(1, 2) == "tinybench" and stage_data(2, 2) == recipe.LATE_MIX and stage_data(9, 0) == "tinybench"
+    monkeypatch.setattr(recipe, "LATE_MIX", "tinybench:arith=2")  # the first 48 train examples are arith
     kw = dict(pretrain_steps=1, finetune_steps=1, refine_steps=1, base_ar_steps=0, refine_rounds=2, batch_size=4,
-              size="micro", objectives=("refusion",), threads=1, progress=False, train_limit=48)
-    summary = run_recipe(tmp_path / "recipe", long_slots_from=2, **kw)
-    sizes = {r: summary["stages"][refine_stage("refusion", r)]["options"]["slot_sizes"] for r in (1, 2)}
+              size="micro", objectives=("refusion", "ar"), threads=1, progress=False, train_limit=48)
+    summary = run_recipe(tmp_path / "recipe", long_slots_from=2, mix_from=2, **kw)
+    stages = summary["stages"]
+    sizes = {r: stages[refine_stage("refusion", r)]["options"]["slot_sizes"] for r in (1, 2)}
     assert sizes == {1: [4, 8, 16, 32], 2: LONG_SLOT_SIZES} and summary["long_slots_from"] == 2
+    for name in ("refusion", "ar"):
+        rounds = [stages[refine_stage(name, r)] for r in (1, 2)]
+        assert [(st["data"], st["train_examples"]) for st in rounds] == [("tinybench", 48), ("tinybench:arith=2", 96)]
 
 
 def test_fine_tune_workers_get_the_refine_rounds(tmp_path, monkeypatch):
@@ -123,9 +131,10 @@ def test_fine_tune_workers_get_the_refine_rounds(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
     run_finetune_jobs(tmp_path, ["mdm"], 1, 10, 5, 4, 0, None, "micro", refine_steps=3, refine_rounds=2,
-                      long_slots_from=4)
+                      long_slots_from=4, mix_from=5)
     assert seen[0].cmd[seen[0].cmd.index("--refine-rounds") + 1] == "2"
     assert seen[0].cmd[seen[0].cmd.index("--long-slots-from") + 1] == "4"
+    assert seen[0].cmd[seen[0].cmd.index("--mix-from") + 1] == "5"
 
 
 def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):

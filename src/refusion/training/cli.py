@@ -37,13 +37,15 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
 def add_train_command(subparsers: Any) -> None:
     """Add the ``train`` subcommand (``func=run_train``) to an argparse subparsers object."""
     from refusion.training.recipe import (
-        DEFAULT_BASE_AR_STEPS, DEFAULT_REFINE_ROUNDS, DEFAULT_REFINE_STEPS, LONG_SLOT_SIZES, LONG_SLOTS_FROM_ROUND,
+        DEFAULT_BASE_AR_STEPS, DEFAULT_REFINE_ROUNDS, DEFAULT_REFINE_STEPS, LATE_MIX, LONG_SLOT_SIZES,
+        LONG_SLOTS_FROM_ROUND, MIX_FROM_ROUND,
     )
 
     p = subparsers.add_parser("train", help="train a model with one objective, or run the controlled recipe",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objective", help="ar | refusion | mdm | block (or a plugin's objective)")
-    p.add_argument("--data", default="tinybench", help="'tinybench', a tinybench mix such as 'tinybench:facts=3' (facts train examples 3 times), "
+    p.add_argument("--data", default="tinybench",
+                   help="'tinybench', a tinybench mix such as 'tinybench:facts=3' (facts train examples 3 times), "
                         "or a JSON file of {query, response}")
     p.add_argument("--init", default="scratch", help="model folder, shipped checkpoint name, or 'scratch'")
     p.add_argument("--out", required=True, help="output folder (log, resumable state, final model)")
@@ -83,6 +85,9 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--long-slots-from", type=int, default=None, metavar="ROUND",
                    help=f"recipe: refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
                         f"(default: the shipped recipe's, {LONG_SLOTS_FROM_ROUND}; 0: never)")
+    p.add_argument("--mix-from", type=int, default=None, metavar="ROUND",
+                   help=f"recipe: refine round from which every arm trains on {LATE_MIX} (default: the shipped "
+                        f"recipe's, {MIX_FROM_ROUND}; 0: never)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
     p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -127,6 +132,10 @@ def run_train(args: argparse.Namespace) -> int:
                 _error(args, "--long-slots-from must be a refine round >= 1, or 0 for never; "
                              f"got {args.long_slots_from}")
             kw["long_slots_from"] = args.long_slots_from
+        if args.mix_from is not None:
+            if args.mix_from < 0:
+                _error(args, f"--mix-from must be a refine round >= 1, or 0 for never; got {args.mix_from}")
+            kw["mix_from"] = args.mix_from
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
                    refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
                    progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)

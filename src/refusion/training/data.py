@@ -91,20 +91,23 @@ def tinybench_mix(data: str | os.PathLike) -> dict[str, int] | None:
     return mix
 
 
-def load_texts(data: str | os.PathLike, split: str = "train") -> list[tuple[str, str]]:
-    """``(query, response)`` texts of ``data`` (tinybench, a tinybench mix, or a JSON file) for ``split``."""
+def load_texts(data: str | os.PathLike, split: str = "train", limit: int | None = None) -> list[tuple[str, str]]:
+    """``(query, response)`` texts of ``data`` (tinybench, a tinybench mix, or a JSON file) for ``split``;
+    ``limit``: only the first ``limit`` examples of the data (of a mix: before its repeats)."""
     mix = tinybench_mix(data)
     if mix is not None:
-        from refusion.tasks import get_task
+        from refusion.tasks import corpus
 
         if split == "val":
             split = "validation"
+        examples = corpus(split)[:limit]
         repeats = mix if split == "train" else dict.fromkeys(mix, 1)
-        return [(ex.query, ex.response) for name, k in repeats.items() for ex in get_task(name).examples(split) * k]
+        by_task = {name: [(e.query, e.response) for e in examples if e.task == name] for name in repeats}
+        return [text for name, k in repeats.items() for text in by_task[name] * k]
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"training data {str(data)!r} is neither 'tinybench' nor a JSON file")
-    return _json_split(load_json_texts(path), split)
+    return _json_split(load_json_texts(path), split)[:limit]
 
 
 def tokenize_texts(
@@ -130,9 +133,7 @@ def load_pairs(
     limit: int | None = None,
 ) -> list[Pair]:
     """Tokenised pairs of ``data`` for ``split``; raises when every example is longer than ``max_length``."""
-    texts = load_texts(data, split)
-    if limit is not None:
-        texts = texts[:limit]
+    texts = load_texts(data, split, limit)
     pairs, dropped = tokenize_texts(tokenizer, texts, max_length)
     if texts and not pairs:
         raise ValueError(f"all {len(texts)} examples of {data} ({split}) are longer than max_length={max_length}")
@@ -141,4 +142,5 @@ def load_pairs(
 
 def tokenizer_training_texts(data: str | os.PathLike) -> list[str]:
     """Texts to train a tokenizer on (queries with their newline and responses, separately)."""
-    return [s for q, r in load_texts(data, "all" if tinybench_mix(data) is None else "train") for s in (q + PROMPT_SUFFIX, r)]
+    split = "all" if tinybench_mix(data) is None else "train"
+    return [s for q, r in load_texts(data, split) for s in (q + PROMPT_SUFFIX, r)]

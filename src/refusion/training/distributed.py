@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     objective = cls.from_tokenizer(tokenizer, options)
     max_len = min(args.max_length, int(getattr(model.config, "max_position_embeddings", args.max_length)))
     if args.chat_template:
-        texts = load_texts(args.data, "train")[: args.limit]
+        texts = load_texts(args.data, "train", args.limit)
         train_pairs, val_pairs = encode_chat_pairs(tokenizer, texts, max_len), encode_chat_pairs(
             tokenizer, load_texts(args.data, "validation"), max_len)
     else:

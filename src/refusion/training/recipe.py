@@ -21,7 +21,8 @@ stage resumes from its ``trainer_state.pt``):
    metrics and validation metrics (``masked_acc`` for diffusion objectives), rewritten after every stage.
 
 From refine round ``--long-slots-from`` (default 6; 0: never) the ``refusion`` arm draws its slot sizes
-from ``LONG_SLOT_SIZES`` instead of the reference's {4, 8, 16, 32} (:func:`objective_options`).
+from ``LONG_SLOT_SIZES`` instead of the reference's {4, 8, 16, 32} (:func:`objective_options`); from
+round ``--mix-from`` (default 7; 0: never) every arm trains on ``LATE_MIX`` (:func:`stage_data`).
 ``--adopt STAGE=RUN`` makes a finished ``refusion train`` run a refine stage, after checking that its
 saved settings are the stage's (:func:`adopt_stage`).
 
@@ -102,6 +103,8 @@ REFINE_WARMUP = 100
 GROUP_BY_LENGTH = 64
 LONG_SLOTS_FROM_ROUND = 6
 LONG_SLOT_SIZES = [16, 32]
+MIX_FROM_ROUND = 7
+LATE_MIX = "tinybench:facts=3"
 OBJECTIVES = ("refusion", "ar", "mdm", "block")
 SUMMARY_FILE = "recipe_summary.json"
 STAGE_FILE = "stage.json"
@@ -122,6 +125,14 @@ def objective_options(name: str, round_: int, long_slots_from: int = LONG_SLOTS_
     if name == "refusion" and long_slots_from and round_ >= long_slots_from:
         return {"slot_sizes": list(LONG_SLOT_SIZES)}
     return None
+
+
+def stage_data(round_: int, mix_from: int = MIX_FROM_ROUND) -> str:
+    """The training data of refine round ``round_`` (0: the fine-tune) for every arm: tinybench, and from
+    round ``mix_from`` on (0: never) ``LATE_MIX``, tinybench with each facts example three times: facts,
+    whose short examples cost a third of a mixed step, is the task the hybrid arm learns slowest
+    (docs/training.md, v6)."""
+    return LATE_MIX if mix_from and round_ >= mix_from else "tinybench"
 
 
 def _stage_done(work: Path) -> dict | None:
@@ -159,6 +170,7 @@ def run_recipe(
     base_ar_steps: int | None = None,
     refine_rounds: int = DEFAULT_REFINE_ROUNDS,
     long_slots_from: int = LONG_SLOTS_FROM_ROUND,
+    mix_from: int = MIX_FROM_ROUND,
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
 
@@ -175,7 +187,8 @@ def run_recipe(
     the fine-tune schedule (the phase-1 base kept in ``OUT/work/pretrain/model``); ``OUT/<size>-base``
     becomes that model and every objective starts from it, as ReFusion starts from a tuned AR model.
     ``long_slots_from``: the refine round from which the ``refusion`` arm trains with longer slots
-    (:func:`objective_options`; 0: never)."""
+    (:func:`objective_options`; 0: never); ``mix_from``: the refine round from which every arm trains on
+    ``LATE_MIX`` (:func:`stage_data`; 0: never)."""
     from transformers import AutoTokenizer
 
     from refusion.models.build import build_model
@@ -202,7 +215,8 @@ def run_recipe(
         "refine_rounds": refine_rounds if R else 0,
         "base_ar_steps": B,
         "batch_size": batch_size, "pretrain_lr": pretrain_lr, "finetune_lr": finetune_lr, "refine_lr": REFINE_LR,
-        "group_by_length": group_by_length, "long_slots_from": long_slots_from,
+        "group_by_length": group_by_length, "long_slots_from": long_slots_from, "mix_from": mix_from,
+        "late_mix": LATE_MIX,
         "seed": seed, "threads": threads, "torch_threads": torch.get_num_threads(), "device": device,
         "stages": {},
     }
@@ -234,7 +248,8 @@ def run_recipe(
     save_summary()
 
     t = time.perf_counter()
-    train_pairs = load_pairs("tinybench", tokenizer, "train", limit=train_limit)
+    train_sets = {"tinybench": load_pairs("tinybench", tokenizer, "train", limit=train_limit)}
+    train_pairs = train_sets["tinybench"]
     val_pairs = load_pairs("tinybench", tokenizer, "validation")
     summary["data"] = {"train_pairs": len(train_pairs), "validation_pairs": len(val_pairs),
                        "tokenize_s": round(time.perf_counter() - t, 2)}
@@ -248,19 +263,21 @@ def run_recipe(
         })
 
     def train_stage(stage: str, model: Any, tok: Any, objective: Any, steps: int, lr: float, final: Path,
-                    **kw: Any) -> dict:
-        trainer = Trainer(model, tok, objective, train_pairs, config(steps, lr, **kw), work / stage,
+                    data: str = "tinybench", **kw: Any) -> dict:
+        if data not in train_sets:
+            train_sets[data] = load_pairs(data, tokenizer, "train", limit=train_limit)
+        trainer = Trainer(model, tok, objective, train_sets[data], config(steps, lr, **kw), work / stage,
                           val_pairs=val_pairs, final_dir=final)
         result = trainer.train(resume=True)
         result.update(stage=stage, output=str(final), group_by_length=trainer.config.group_by_length,
-                      seed=trainer.config.seed)
+                      seed=trainer.config.seed, data=data, train_examples=len(train_sets[data]))
         _write_json(work / stage / STAGE_FILE, result)
         return result
 
     def run_stage(stage: str, name: str, init: Path, steps: int, lr: float, final: Path | None = None,
-                  options: dict | None = None, **kw: Any) -> dict:
-        """Train ``name`` (objective ``options``, None: its defaults) from the model in ``init`` into ``final``
-        (default ``OUT/<size>-<name>``), unless done before."""
+                  options: dict | None = None, data: str = "tinybench", **kw: Any) -> dict:
+        """Train ``name`` (objective ``options``, None: its defaults) on ``data`` from the model in ``init``
+        into ``final`` (default ``OUT/<size>-<name>``), unless done before."""
         done = _stage_done(work / stage)
         if done is not None:
             log(f"{stage}: done before, skipped")
@@ -269,10 +286,10 @@ def run_recipe(
         if random_batches:
             kw = {"group_by_length": 0, **kw}
         log(f"{stage}: from {init}, {steps} steps" + (", random batches" if random_batches else "")
-            + (f", options {options}" if options else ""))
+            + (f", options {options}" if options else "") + (f", data {data}" if data != "tinybench" else ""))
         model, tok = load_pretrained(init)
         done = train_stage(stage, model, tok, OBJ_CLASSES[name].from_tokenizer(tok, options), steps, lr,
-                           final or out / f"{size}-{name}", **kw)
+                           final or out / f"{size}-{name}", data=data, **kw)
         log(f"{stage}: finished in {done['wall_s']} s, eval {done['eval']}")
         return done
 
@@ -308,7 +325,7 @@ def run_recipe(
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
         run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B, N,
-                          long_slots_from)
+                          long_slots_from, mix_from)
     for name in objectives:
         summary["stages"][f"finetune-{name}"] = run_stage(f"finetune-{name}", name, base, F, finetune_lr)
         save_summary()
@@ -319,6 +336,7 @@ def run_recipe(
             start = kept_copy(out / f"{size}-{name}", work / before / "model", stage)
             summary["stages"][stage] = run_stage(stage, name, start, R, REFINE_LR, seed=seed + r,
                                                  options=objective_options(name, r, long_slots_from),
+                                                 data=stage_data(r, mix_from),
                                                  warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
             save_summary()
             before = stage
@@ -335,11 +353,12 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
 def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size: str = "tiny",
                 batch_size: int = DEFAULT_BATCH_SIZE, refine_steps: int | None = None, seed: int = 0,
                 group_by_length: int = GROUP_BY_LENGTH, long_slots_from: int = LONG_SLOTS_FROM_ROUND,
-                train_limit: int | None = None) -> dict:
+                train_limit: int | None = None, mix_from: int = MIX_FROM_ROUND) -> dict:
     """Make a finished ``refusion train`` run the recipe's refine ``stage`` (``refine<r>-<obj>``), as if the
     recipe had trained it: the run's saved config and objective options must be the stage's (steps, lr,
-    warmup, batch size, data-order seed, batch grouping, options, and the number of training examples:
-    tinybench train, or its first ``train_limit``), else ValueError naming each field that differs. The caller vouches that the run started from round r - 1's model, which must be done in
+    warmup, batch size, data-order seed, batch grouping, options, and the number of training examples of
+    the stage's data, :func:`stage_data`, cut to ``train_limit``), else ValueError naming each field that
+    differs. The caller vouches that the run started from round r - 1's model, which must be done in
     ``out`` and is ``OUT/<size>-<obj>`` now: it is kept in ``OUT/work/<round r - 1>/model`` and the run's
     model becomes ``OUT/<size>-<obj>``. Writes and returns the stage's ``stage.json`` (``adopted_from``:
     the run)."""
@@ -372,7 +391,8 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     have = {**{k: state["config"].get(k) for k in want}, "step": state["step"],
             "train_examples": len(state["sampler"]["perm"])}
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer", local_files_only=True)
-    want.update(step=R, train_examples=len(load_pairs("tinybench", tokenizer, "train", limit=train_limit)))
+    data = stage_data(r, mix_from)
+    want.update(step=R, train_examples=len(load_pairs(data, tokenizer, "train", limit=train_limit)))
     diff = [f"{k}: run {have[k]!r}, stage {v!r}" for k, v in want.items() if have[k] != v]
     if state["objective"]["name"] != name:
         diff.append(f"objective: run {state['objective']['name']!r}, stage {name!r}")
@@ -397,7 +417,8 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
             "eval": {k: v for k, v in last("eval").items() if k not in skip},
             "tokens": state["tokens_seen"], "wall_s": round(state["elapsed"], 2), "batch_size": batch_size,
             "lr": REFINE_LR, "stage": stage, "output": str(final), "group_by_length": want["group_by_length"],
-            "seed": seed + r, "eval_batch_size": state["config"].get("eval_batch_size"),
+            "seed": seed + r, "data": data, "train_examples": want["train_examples"],
+            "eval_batch_size": state["config"].get("eval_batch_size"),
             "adopted_from": str(run)}
     _write_json(work / stage / STAGE_FILE, done)
     return done
@@ -406,7 +427,8 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
 def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
                       batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
                       device: str = "cpu", refine_steps: int = 0, base_ar_steps: int = 0,
-                      refine_rounds: int = 1, long_slots_from: int = LONG_SLOTS_FROM_ROUND) -> None:
+                      refine_rounds: int = 1, long_slots_from: int = LONG_SLOTS_FROM_ROUND,
+                      mix_from: int = MIX_FROM_ROUND) -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
     (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
@@ -418,7 +440,8 @@ def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_
              "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
              "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device,
              "--refine-steps", str(refine_steps), "--refine-rounds", str(refine_rounds),
-             "--base-ar-steps", str(base_ar_steps), "--long-slots-from", str(long_slots_from), "--no-progress"]
+             "--base-ar-steps", str(base_ar_steps), "--long-slots-from", str(long_slots_from),
+             "--mix-from", str(mix_from), "--no-progress"]
         return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
 
     work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
@@ -457,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-slots-from", type=int, default=LONG_SLOTS_FROM_ROUND,
                    help=f"refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
                         f"(default {LONG_SLOTS_FROM_ROUND}; 0: never)")
+    p.add_argument("--mix-from", type=int, default=MIX_FROM_ROUND,
+                   help=f"refine round from which every arm trains on {LATE_MIX} (default {MIX_FROM_ROUND}; 0: never)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
@@ -477,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in a.adopt:
         stage, _, run = item.partition("=")
         adopt_stage(a.out, stage, run, size=a.size, batch_size=a.batch_size, refine_steps=a.refine_steps,
-                    seed=a.seed, long_slots_from=a.long_slots_from, train_limit=a.train_limit)
+                    seed=a.seed, long_slots_from=a.long_slots_from, train_limit=a.train_limit, mix_from=a.mix_from)
         print(f"{stage}: adopted {run}")
     if a.adopt:
         return 0
@@ -485,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
                threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
                device=a.device, refine_steps=a.refine_steps, base_ar_steps=a.base_ar_steps,
-               refine_rounds=a.refine_rounds, long_slots_from=a.long_slots_from)
+               refine_rounds=a.refine_rounds, long_slots_from=a.long_slots_from, mix_from=a.mix_from)
     return 0
 
 
