@@ -99,6 +99,8 @@ def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
     assert run_recipe(out, refine_rounds=3, **kw)["stages"] == stages  # done: nothing retrains
     with pytest.raises(ValueError, match="refine_rounds"):
         run_recipe(out, refine_rounds=0, **kw)
+    with pytest.raises(ValueError, match="mix_from must be a refine round >= 1, or 0 for never; got -1"):
+        run_recipe(out, refine_rounds=3, mix_from=-1, **kw)
 
 
 def test_refusion_arm_trains_with_long_slots_and_every_arm_on_the_mix_from_the_given_rounds(tmp_path, monkeypatch):

@@ -84,10 +84,10 @@ def add_train_command(subparsers: Any) -> None:
                         f"(B; default: the shipped recipe's, {DEFAULT_BASE_AR_STEPS})")
     p.add_argument("--long-slots-from", type=int, default=None, metavar="ROUND",
                    help=f"recipe: refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
-                        f"(default: the shipped recipe's, {LONG_SLOTS_FROM_ROUND}; 0: never)")
+                        f"(default {LONG_SLOTS_FROM_ROUND}, once --refine-rounds reaches it; 0: never)")
     p.add_argument("--mix-from", type=int, default=None, metavar="ROUND",
-                   help=f"recipe: refine round from which every arm trains on {LATE_MIX} (default: the shipped "
-                        f"recipe's, {MIX_FROM_ROUND}; 0: never)")
+                   help=f"recipe: refine round from which every arm trains on {LATE_MIX} (default {MIX_FROM_ROUND}, "
+                        "once --refine-rounds reaches it; 0: never)")
     p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
     p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -127,15 +127,9 @@ def run_train(args: argparse.Namespace) -> int:
             if args.refine_rounds < 1:
                 _error(args, f"--refine-rounds must be >= 1, got {args.refine_rounds} (--refine-steps 0: no refining)")
             kw["refine_rounds"] = args.refine_rounds
-        if args.long_slots_from is not None:
-            if args.long_slots_from < 0:
-                _error(args, "--long-slots-from must be a refine round >= 1, or 0 for never; "
-                             f"got {args.long_slots_from}")
-            kw["long_slots_from"] = args.long_slots_from
-        if args.mix_from is not None:
-            if args.mix_from < 0:
-                _error(args, f"--mix-from must be a refine round >= 1, or 0 for never; got {args.mix_from}")
-            kw["mix_from"] = args.mix_from
+        for key in ("long_slots_from", "mix_from"):  # checked by run_recipe
+            if getattr(args, key) is not None:
+                kw[key] = getattr(args, key)
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
                    refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
                    progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)

@@ -135,6 +135,25 @@ def stage_data(round_: int, mix_from: int = MIX_FROM_ROUND) -> str:
     return LATE_MIX if mix_from and round_ >= mix_from else "tinybench"
 
 
+def refine_warmup(refine_steps: int) -> int:
+    """Warmup steps of a refine round of ``refine_steps`` steps."""
+    return min(REFINE_WARMUP, max(1, refine_steps // 20))
+
+
+def stage_grouping(name: str, group_by_length: int) -> int:
+    """Length grouping of ``name``'s stages: none for objectives that want random batches (``mdm``, whose
+    EOS padding to the batch's longest response needs mixed lengths)."""
+    from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
+
+    return 0 if OBJ_CLASSES[name].wants_random_batches else group_by_length
+
+
+def _check_from_rounds(long_slots_from: int, mix_from: int) -> None:
+    for field, value in (("long_slots_from", long_slots_from), ("mix_from", mix_from)):
+        if value < 0:
+            raise ValueError(f"{field} must be a refine round >= 1, or 0 for never; got {value}")
+
+
 def _stage_done(work: Path) -> dict | None:
     f = work / STAGE_FILE
     return json.loads(f.read_text()) if f.is_file() else None
@@ -205,6 +224,7 @@ def run_recipe(
     B = base_ar_steps if base_ar_steps is not None else DEFAULT_BASE_AR_STEPS
     if refine_rounds < 1:
         raise ValueError(f"refine_rounds must be >= 1, got {refine_rounds} (use refine_steps=0 for no refining)")
+    _check_from_rounds(long_slots_from, mix_from)
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -282,9 +302,8 @@ def run_recipe(
         if done is not None:
             log(f"{stage}: done before, skipped")
             return done
-        random_batches = OBJ_CLASSES[name].wants_random_batches  # mdm: its EOS padding needs mixed lengths
-        if random_batches:
-            kw = {"group_by_length": 0, **kw}
+        random_batches = OBJ_CLASSES[name].wants_random_batches
+        kw = {"group_by_length": stage_grouping(name, group_by_length), **kw}
         log(f"{stage}: from {init}, {steps} steps" + (", random batches" if random_batches else "")
             + (f", options {options}" if options else "") + (f", data {data}" if data != "tinybench" else ""))
         model, tok = load_pretrained(init)
@@ -337,7 +356,7 @@ def run_recipe(
             summary["stages"][stage] = run_stage(stage, name, start, R, REFINE_LR, seed=seed + r,
                                                  options=objective_options(name, r, long_slots_from),
                                                  data=stage_data(r, mix_from),
-                                                 warmup_steps=min(REFINE_WARMUP, max(1, R // 20)))
+                                                 warmup_steps=refine_warmup(R))
             save_summary()
             before = stage
     summary["this_run_wall_s"] = round(time.perf_counter() - t_all, 1)
@@ -367,6 +386,7 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
     from refusion.training.data import load_pairs
 
+    _check_from_rounds(long_slots_from, mix_from)
     out, run = Path(out), Path(run)
     m = re.fullmatch(r"refine(\d*)-(\w+)", stage)
     if not m or m.group(2) not in OBJ_CLASSES:
@@ -385,9 +405,8 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     state = torch.load(run / "trainer_state.pt", map_location="cpu", weights_only=False)
     R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
     options = OBJ_CLASSES[name].Options(**(objective_options(name, r, long_slots_from) or {})).model_dump()
-    want = {"steps": R, "lr": REFINE_LR, "warmup_steps": min(REFINE_WARMUP, max(1, R // 20)),
-            "batch_size": batch_size, "seed": seed + r,
-            "group_by_length": 0 if OBJ_CLASSES[name].wants_random_batches else group_by_length}
+    want = {"steps": R, "lr": REFINE_LR, "warmup_steps": refine_warmup(R), "batch_size": batch_size,
+            "seed": seed + r, "group_by_length": stage_grouping(name, group_by_length)}
     have = {**{k: state["config"].get(k) for k in want}, "step": state["step"],
             "train_examples": len(state["sampler"]["perm"])}
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer", local_files_only=True)
