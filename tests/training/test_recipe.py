@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from refusion.training.recipe import SUMMARY_FILE, report, run_recipe
 
 
@@ -74,7 +76,6 @@ def test_mdm_trains_on_random_batches_the_others_on_length_grouped_ones(tmp_path
 def test_refine_rounds_chain_stages_each_from_the_one_before(tmp_path):
     """Round r trains R steps from round r - 1's model (kept), data order seeded seed + r; rerunning with more
     rounds trains only the new ones."""
-    import pytest
     from safetensors.torch import load_file
 
     from refusion.training.recipe import refine_stage
@@ -155,7 +156,6 @@ def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):
 def test_adopt_stage_takes_a_run_made_with_the_stage_settings_and_refuses_others(tmp_path):
     """A `refusion train` run with round 2's settings becomes refine2-refusion (the recipe then skips it); a
     run whose settings differ is refused, naming the field."""
-    import pytest
 
     from refusion.cli import main
     from refusion.training.recipe import adopt_stage
@@ -186,3 +186,18 @@ def test_adopt_stage_takes_a_run_made_with_the_stage_settings_and_refuses_others
     adopted = (tmp_path / "run" / "model.safetensors").read_bytes()
     assert (out / "micro-refusion" / "model.safetensors").read_bytes() == adopted
     assert run_recipe(out, refine_rounds=2, **kw)["stages"]["refine2-refusion"] == done  # skipped, not retrained
+
+
+@pytest.mark.parametrize("flag,value,field", [("--refine-rounds", "0", "refine_rounds"),
+                                              ("--mix-from", "-2", "mix_from"),
+                                              ("--long-slots-from", "-1", "long_slots_from")])
+def test_both_command_lines_name_a_bad_round_setting_and_exit_2_before_any_work(tmp_path, capsys, flag, value, field):
+    from refusion.cli import main as refusion_main
+    from refusion.training.recipe import main as recipe_main
+
+    out = tmp_path / "never"
+    assert refusion_main(["train", "--recipe", "tiny", "--out", str(out), flag, value]) == 2
+    assert f"error: {field} must be" in capsys.readouterr().err
+    assert recipe_main(["--out", str(out), flag, value]) == 2
+    assert f"error: {field} must be" in capsys.readouterr().err
+    assert not out.exists()

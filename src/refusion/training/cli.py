@@ -123,11 +123,7 @@ def run_train(args: argparse.Namespace) -> int:
             kw["objectives"] = objectives
         if args.batch_size:
             kw["batch_size"] = args.batch_size
-        if args.refine_rounds is not None:
-            if args.refine_rounds < 1:
-                _error(args, f"--refine-rounds must be >= 1, got {args.refine_rounds} (--refine-steps 0: no refining)")
-            kw["refine_rounds"] = args.refine_rounds
-        for key in ("long_slots_from", "mix_from"):  # checked by run_recipe
+        for key in ("refine_rounds", "long_slots_from", "mix_from"):  # checked by run_recipe
             if getattr(args, key) is not None:
                 kw[key] = getattr(args, key)
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,

@@ -515,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="make the finished `refusion train` run RUN the refine stage STAGE (its settings are "
                         "checked against the stage's), then exit; repeatable, in round order")
     a = p.parse_args(argv)
+    try:
+        return _run_main(a)
+    except ValueError as exc:  # a bad setting, named by run_recipe / adopt_stage (as `refusion train` reports it)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_main(a: argparse.Namespace) -> int:
     if a.report:
         print(report(a.out), end="")
         return 0
