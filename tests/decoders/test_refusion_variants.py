@@ -8,6 +8,7 @@ from helpers import ban_token, force_token
 from refusion.core.config import build_decoder
 
 PROMPT = [10, 11, 12, 13, 14]
+PROMPT_END = len(PROMPT)  # the first generation position
 
 
 def run(backbone, **cfg):
@@ -151,3 +152,48 @@ def test_correct_makes_stage_IIb_autoregressive(backbone):
 
     assert is_greedy(res.token_ids)
     assert not is_greedy(run(backbone, **cfg).token_ids)  # the reference rule keeps masked predictions
+
+
+def _greedy_after_first(backbone, token_ids):
+    """Whether every token after the first is the causal argmax given everything before it."""
+    full = torch.tensor(PROMPT + token_ids)
+    greedy = backbone.forward(full, torch.arange(len(full)), None)[0].argmax(-1)  # [T] next-token argmax
+    return torch.equal(torch.tensor(token_ids[1:]), greedy[len(PROMPT) : -1])
+
+
+def test_join_adjacent_completes_touching_slots_in_one_row(backbone):
+    """All eight slots chosen at once and every draft failing verification: with ``join_adjacent`` they are
+    one row of 32 tokens, and with ``correct`` Stage II-b then decodes it greedily, each slot seeing the
+    ones before it; without, each slot's first token is its blind Stage-I draft."""
+    ban_token(backbone.model, backbone.eos_id)
+    cfg = {"selector": {"slot_threshold": 0.0}, "verifier": {"token_threshold": 1.0}, "correct": True}
+    joined = run(backbone, join_adjacent=True, **cfg)
+    assert_sound(joined, backbone)
+    (it,) = joined.trace
+    assert it.stage == "II-b" and len(it.chosen) == 8 and it.accepted == [(PROMPT_END, 32)]
+    assert _greedy_after_first(backbone, joined.token_ids)
+    apart = run(backbone, **cfg)
+    assert len(apart.trace[0].accepted) == 8 and not _greedy_after_first(backbone, apart.token_ids)
+
+
+@pytest.mark.parametrize("remask", [False, True])
+def test_join_adjacent_only_joins_touching_slots(backbone, remask):
+    """Slots 0, 1 and 3 made confident: all three chosen, 0 and 1 completed in one row, 3 in its own;
+    a remasked suffix of the joined row returns to the pool cut on the slot grid."""
+    ban_token(backbone.model, backbone.eos_id)
+    P = len(PROMPT)
+    for pos, tok in ((P, 20), (P + 4, 21), (P + 12, 22)):
+        force_token(backbone.model, pos, tok)
+    remasker = {"name": "sub_slot", "threshold": 1.0, "min_keep": 2} if remask else {"name": "none"}
+    res = run(backbone, join_adjacent=True, selector={"slot_threshold": 0.5}, verifier={"token_threshold": 1.0},
+              remasker=remasker)
+    assert_sound(res, backbone)
+    assert len(res.token_ids) == 32
+    first = res.trace[0]
+    assert first.stage == "II-b" and first.chosen == [P, P + 4, P + 12]
+    if remask:  # each row keeps min_keep tokens; the joined row's rest comes back cut on the slot grid
+        assert first.accepted == [(P, 2), (P + 12, 2)]
+        assert first.remasked == [(P + 2, 2), (P + 4, 4), (P + 14, 2)]
+    else:
+        assert first.accepted == [(P, 8), (P + 12, 4)]
+    assert res.token_ids[0] == 20 and res.token_ids[12] == 22

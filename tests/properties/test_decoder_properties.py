@@ -28,7 +28,7 @@ def refusion_config(draw):
                                       st.builds(lambda n: {"name": "left_to_right", "n": n}, st.integers(1, 3)))),
            "verifier": {"token_threshold": draw(thresholds)},
            "cache": draw(st.sampled_from(["kv_concat", "kv_recompute"])),
-           "fused": draw(st.booleans()), "correct": draw(st.booleans()),
+           "fused": draw(st.booleans()), "correct": draw(st.booleans()), "join_adjacent": draw(st.booleans()),
            "draft_window": draw(st.one_of(st.none(), st.integers(1, 4)))}
     if draw(st.booleans()):
         cfg["remasker"] = {"name": "sub_slot", "threshold": draw(thresholds)}

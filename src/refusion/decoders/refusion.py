@@ -56,6 +56,9 @@ class RefusionOptions(DecoderOptions):
     correct: bool = Field(
         False, description="Stage II-b: the token after each row's verified prefix becomes the verify forward's "
         "AR argmax (speculative decoding's correction token) instead of the masked prediction")
+    join_adjacent: bool = Field(
+        False, description="Stage II-b: chosen slots that touch are completed in one row, so a slot sees the one "
+        "before it (the reference completes every chosen slot in its own row, blind to the others)")
     scorer: PartSpec = PartSpec(name="first_token_prob")
     drafter: PartSpec = PartSpec(name="gumbel")
     selector: PartSpec = PartSpec(name="threshold")
@@ -209,9 +212,28 @@ class RefusionDecoder(Decoder):
         return self._stage_two_b(st, cache, trace, chosen, drafts, valid, verdict.passed, draft_probs, ar_probs)
 
     # ------------------------------------------------------------------ Stage II-b
+    @staticmethod
+    def _join_adjacent(chosen: list[Slot], valid: Tensor, *rows: Tensor) -> tuple[list[Slot], Tensor, list[Tensor]]:
+        """Runs of touching chosen slots (``chosen`` in position order) -> one slot each; ``valid`` and each
+        ``[S, k_max]`` tensor of ``rows`` regrouped to ``[G, K_max]`` (padding 0)."""
+        joined: list[Slot] = []
+        for s in chosen:
+            if joined and joined[-1].start + joined[-1].size == s.start:
+                joined[-1] = Slot(joined[-1].start, joined[-1].size + s.size)
+            else:
+                joined.append(Slot(s.start, s.size))
+        if len(joined) == len(chosen):
+            return chosen, valid, list(rows)
+        regrouped = [pad_slots(r[valid], joined)[0] for r in rows]  # the real entries, slot after slot
+        return joined, pad_slots(valid[valid], joined)[1], regrouped
+
     def _stage_two_b(self, st, cache, trace, chosen, drafts, valid, passed, draft_probs, ar_probs):
-        """Complete every chosen slot in its own cache row; merge the rows' KV; commit."""
+        """Complete every chosen slot in its own cache row (with ``join_adjacent``, every run of touching
+        chosen slots in one row); merge the rows' KV; commit."""
         bb = self.backbone
+        if self.options.join_adjacent:
+            chosen, valid, (drafts, passed, draft_probs, ar_probs) = self._join_adjacent(
+                chosen, valid, drafts, passed, draft_probs, ar_probs)
         base, S, k = len(st.ids), len(chosen), drafts.shape[1]
         trace.stage = "II-b"
         bb.repeat_rows(cache, S)
@@ -267,10 +289,15 @@ class RefusionDecoder(Decoder):
             st.commit(r, p)
         trace.accepted = [(s.start, len(r)) for s, r in zip(chosen, rows)]
         self._retire(st, chosen, eos_slot=chosen[-1] if eos_row is not None else None)
+        grid = self.options.slot_size
         for s, m in zip(chosen, keep):  # remasked suffixes go back to the pool as shorter slots
             if m < s.size and (eos_row is None or s.start < chosen[-1].start):
-                st.pool.append(Slot(s.start + m, s.size - m))
-                trace.remasked.append((s.start + m, s.size - m))
+                start, end = s.start + m, s.start + s.size
+                while start < end:  # cut on the slot grid: a joined row's suffix returns as slots of <= k
+                    cut = min(end, st.prompt_len + ((start - st.prompt_len) // grid + 1) * grid)
+                    st.pool.append(Slot(start, cut - start))
+                    trace.remasked.append((start, cut - start))
+                    start = cut
         st.pool.sort(key=lambda s: s.start)
         return cache, trace
 
@@ -292,9 +319,10 @@ class RefusionDecoder(Decoder):
 
     @staticmethod
     def _retire(st: DecodeState, done: list[Slot], eos_slot: Slot | None) -> None:
-        """Remove finished slots from the pool; after an EOS also every slot at or after it, and stop."""
-        starts = {s.start for s in done}
-        st.pool = [s for s in st.pool if s.start not in starts and (eos_slot is None or s.start < eos_slot.start)]
+        """Remove finished slots (and the pool slots inside a joined one) from the pool; after an EOS also
+        every slot at or after it, and stop."""
+        covered = {p for s in done for p in s.positions}
+        st.pool = [s for s in st.pool if s.start not in covered and (eos_slot is None or s.start < eos_slot.start)]
         if eos_slot is not None:
             st.stop = True
 
