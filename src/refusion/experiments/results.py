@@ -203,7 +203,7 @@ CLAIMS = (
           "ReFusion loses less accuracy per unit of TPF gained than the LLaDA-style decoder",
           refusion_flatter_than_llada),
     Claim("variants", "Figure 1: ReFusion with any-order slots is faster than the same model forced left to "
-          "right. (Sub-slot remasking, adaptive split and fused scheduling are ours; the paper has no numbers.)",
+          "right. (Sub-slot remasking, adaptive split, fused scheduling and joined II-b rows are ours; the paper has no numbers.)",
           "any-order slots are faster than left-to-right and as accurate", any_order_faster_than_left_to_right),
 )
 
