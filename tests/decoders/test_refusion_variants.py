@@ -8,7 +8,6 @@ from helpers import ban_token, force_token
 from refusion.core.config import build_decoder
 
 PROMPT = [10, 11, 12, 13, 14]
-PROMPT_END = len(PROMPT)  # the first generation position
 
 
 def run(backbone, **cfg):
@@ -170,7 +169,7 @@ def test_join_adjacent_completes_touching_slots_in_one_row(backbone):
     joined = run(backbone, join_adjacent=True, **cfg)
     assert_sound(joined, backbone)
     (it,) = joined.trace
-    assert it.stage == "II-b" and len(it.chosen) == 8 and it.accepted == [(PROMPT_END, 32)]
+    assert it.stage == "II-b" and len(it.chosen) == 8 and it.accepted == [(len(PROMPT), 32)]
     assert _greedy_after_first(backbone, joined.token_ids)
     apart = run(backbone, **cfg)
     assert len(apart.trace[0].accepted) == 8 and not _greedy_after_first(backbone, apart.token_ids)
