@@ -156,7 +156,6 @@ def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):
 def test_adopt_stage_takes_a_run_made_with_the_stage_settings_and_refuses_others(tmp_path):
     """A `refusion train` run with round 2's settings becomes refine2-refusion (the recipe then skips it); a
     run whose settings differ is refused, naming the field."""
-
     from refusion.cli import main
     from refusion.training.recipe import adopt_stage
 
