@@ -51,3 +51,21 @@ def test_printed_block_is_valid_bench_yaml(tmp_path, capsys):
     assert cfg["verifier"]["token_threshold"] == 0.3 and cfg["verifier"]["name"] == "prefix" and cfg["correct"] is True
     assert cfg["slot_size"] == 4 and cfg["serial_blocks"] == 2 and cfg["scorer"] == "mean_prob"
     assert cfg["selector"] == {"name": "threshold", "slot_threshold": 0.99}  # merged into the shared selector
+
+
+def test_results_from_another_grid_are_refused(tmp_path, capsys):
+    """Picks from a results.json whose rows lack one of --config's axes: exit 2 naming the axis, no block."""
+    import json
+
+    import yaml
+
+    from refusion.experiments.tune import main
+
+    grid = {"name": "g", "title": "t", "tasks": ["arith"], "runs": [{"label": "ar", "decoder": "ar"}],
+            "grid": {"decoder": "refusion", "axes": {"scorer": ["mean_prob"], "selector.fallback": ["leftmost"]}}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    rows = [r("arith", "ar", 0.9, 100), r("arith", "g", 0.9, 200, scorer="mean_prob")]
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    assert main([str(tmp_path), "--config", str(tmp_path / "grid.yaml")]) == 2
+    out = capsys.readouterr()
+    assert "tasks:" not in out.out and "selector.fallback" in out.err and "--config" in out.err

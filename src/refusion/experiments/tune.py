@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     chosen = pick(rows, a.baseline, a.tolerance)
     base = {r["task"]: r for r in rows if r["run"] == a.baseline}
     grid = load_ablation(a.config).grid
+    missing = [key for key in grid.axes if any(key not in r for r in chosen.values())]
+    if missing:
+        print(f"error: {a.folder}/results.json has no column for axes {missing} of --config {a.config}; "
+              "pass the ablation config that made it", file=sys.stderr)
+        return 2
     print("tasks:")
     for task, r in chosen.items():
         knobs: dict[str, Any] = {}
