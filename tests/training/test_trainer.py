@@ -55,8 +55,12 @@ def test_resume_gives_identical_weights(char_tokenizer, pairs, tmp_path, name, g
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
     # the log was continued, not restarted; train records every 2 steps
-    steps = [r["step"] for r in read_log(tmp_path / "b") if r["kind"] == "train"]
-    assert steps == [2, 3, 4, 6]
+    log = read_log(tmp_path / "b")
+    assert [r["step"] for r in log if r["kind"] == "train"] == [2, 3, 4, 6]
+    # each start and resume names the machine it ran on; so does the summary
+    starts = [r for r in log if r["kind"] == "start"]
+    assert [r["step"] for r in starts] == [0, 3] and all(r["threads"] >= 1 for r in starts)
+    assert summary["machine"] == starts[-1]["machine"] and f"torch {torch.__version__}" in summary["machine"]
 
 
 def test_outputs_log_and_final_model(char_tokenizer, pairs, tmp_path):

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from refusion.core.machine import machine
 from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, plot, run_ablation
 
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
@@ -232,21 +231,6 @@ def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
     n_ok = sum(ok for _, ok, _ in outcomes)
     word = "holds" if n_ok == len(outcomes) else "does not hold" if n_ok == 0 else "mixed"
     return word, lines
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}")
 
 
 def shipped_models() -> str:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from refusion.core.machine import machine
 from refusion.models.loading import save_tokenizer
 from refusion.training.objective import Batch, Objective, Pair
 from refusion.training.trainer import (
@@ -157,6 +158,8 @@ class DistributedTrainer:
         if not (resume and self.load_state()) and acc.is_main_process and (self.out_dir / LOG_FILE).exists():
             (self.out_dir / LOG_FILE).unlink()
         end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+        if self.step < end:
+            self._log({"kind": "start", "step": self.step, "machine": machine(), "processes": self.world})
         self.model.train()
         lengths = [len(p) + len(r) for p, r in self.train_pairs]
         t0, last, last_eval = time.perf_counter(), {}, {}

@@ -5,7 +5,9 @@ Files written to ``out_dir``:
 - ``train_log.jsonl``: one JSON object per line; ``{"kind": "train", "step", "lr", "loss", ...}`` every
   ``log_every`` steps (metrics averaged over the interval, plus tokens/s and elapsed seconds) and
   ``{"kind": "eval", "step", "loss", "masked_acc" | "acc", ...}`` every ``eval_every`` steps and at the
-  end, computed on a fixed validation batch (same examples and same noise every time);
+  end, computed on a fixed validation batch (same examples and same noise every time), and
+  ``{"kind": "start", "step", "machine", "threads"}`` each time training starts or resumes (a stage
+  resumed on another host names both);
 - ``trainer_state.pt`` + ``trainer_weights.safetensors`` (fp32): the resumable state (step, optimizer,
   scheduler, data order and position, generator and global RNG states, config), written every
   ``save_every`` steps and at the end; ``train(resume=True)`` continues exactly where it stopped
@@ -33,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
+from refusion.core.machine import machine
 from refusion.models.loading import save_pretrained
 from refusion.training.objective import Batch, Objective, Pair
 
@@ -348,6 +351,9 @@ class Trainer:
         if not (resume and self.load_state()) and (self.out_dir / LOG_FILE).exists():
             (self.out_dir / LOG_FILE).unlink()  # a fresh run starts a fresh log
         end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+        host = machine()
+        if self.step < end:
+            self._log({"kind": "start", "step": self.step, "machine": host, "threads": torch.get_num_threads()})
         self.model.train()
         diffusion = self.objective.diffusion
         sums: dict[str, float] = {}
@@ -429,6 +435,7 @@ class Trainer:
             "max_tokens": cfg.max_tokens,
             "lr": cfg.lr,
             "params": sum(p.numel() for p in self.model.parameters()),
+            "machine": host,
         }
 
 
