@@ -1,9 +1,10 @@
 """A one-line description of the machine a run happens on, for records and docs.
 
-Wall times and even float round-off depend on it: the same one-thread training on two 2-core AMD EPYC
-hosts ran ~1.7x apart, and torch's CPU kernels differ by instruction set (its ``AVX2`` and ``AVX512``
-builds accumulate in different orders), so two hosts' losses can differ in the 7th digit after 20 steps.
-Stage records (``stage.json``) and the training log's ``start`` records carry this string.
+Wall times and even float round-off depend on it: the same one-thread training ran ~1.7x slower on one
+2-core AMD EPYC host (torch CPU kernels ``AVX2``) than on earlier hosts of the same name, and its loss
+after 20 steps differed from theirs in the 7th digit (torch picks its CPU kernels by instruction set, and
+they need not round alike). Stage records (``stage.json``) and the training log's ``start`` records
+carry this string.
 """
 
 from __future__ import annotations
