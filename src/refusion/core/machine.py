@@ -1,6 +1,6 @@
 """A one-line description of the machine a run happens on, for records and docs.
 
-Wall times and even float round-off depend on it: the same one-thread training ran ~1.7x slower on one
+Wall times and even float round-off depend on it: the same one-thread training ran ~1.55x slower on one
 2-core AMD EPYC host (torch CPU kernels ``AVX2``) than on earlier hosts of the same name, and its loss
 after 20 steps differed from theirs in the 7th digit (torch picks its CPU kernels by instruction set, and
 they need not round alike). Stage records (``stage.json``) and the training log's ``start`` records
