@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # When every arm has round 8: the measurements v6 ships on, in one go, on an otherwise idle 2-core CPU
-# (~20 min). Writes OUT/recipe_summary.json, OUT/report.md (docs/training.md's stage table) and three
+# (estimated ~20 min). Writes RUN/recipe_summary.json, RUN/report.md (docs/training.md's stage table) and two
 # validation benches; read their tables in runs/eval-v6-*/log.txt before step 2 of the checklist
 # (training-state/README.md): ReFusion on tiny-refusion must repeat the tuned run's 99.0% / 100% / 98.0% at
 # TPF 9.38 / 21.2 / 9.54 (arith / code / facts) for bench_v6_preview.yaml's settings to stand.
