@@ -14,7 +14,7 @@ stage resumes from its ``trainer_state.pt``):
    -> ``OUT/tiny-<obj>``;
    With ``--refine-steps R`` (default 2400), ``refine-<obj>`` then trains each R more steps under a fresh
    schedule (peak lr 5e-4, 100 warmup steps, data order seeded ``seed + 1``) -> ``OUT/tiny-<obj>``, the
-   F-step model kept in ``OUT/work/finetune-<obj>/model``; with ``--refine-rounds N`` (default 3) that
+   F-step model kept in ``OUT/work/finetune-<obj>/model``; with ``--refine-rounds N`` (default 8) that
    stage runs N times, round r >= 2 as ``refine<r>-<obj>`` from round r - 1's model (kept in that round's
    ``OUT/work/<stage>/model``), data order seeded ``seed + r``;
 4. ``OUT/recipe_summary.json``: per stage wall time, steps, batch size, lr, params, final train
@@ -96,7 +96,7 @@ DEFAULT_BATCH_SIZE = 32
 PRETRAIN_LR = 2e-3
 FINETUNE_LR = 1e-3
 DEFAULT_REFINE_STEPS = 2400
-DEFAULT_REFINE_ROUNDS = 3
+DEFAULT_REFINE_ROUNDS = 8
 DEFAULT_BASE_AR_STEPS = 3000
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
