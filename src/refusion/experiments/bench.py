@@ -81,8 +81,8 @@ def label_offset(px: float, py: float, placed: list[tuple[float, float]]) -> tup
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Accuracy against tokens/s, one panel per task, one colour per decoder (legend below the panels),
-    each point labelled with its TPF, the goal region (>= 2x ar's tokens/s, within 2 points of ar's
-    accuracy) shaded; writes bench.png and bench.svg."""
+    each point labelled with its TPF in the point's colour, the goal region (>= 2x ar's tokens/s, within
+    2 points of ar's accuracy) shaded; writes bench.png and bench.svg."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,7 +108,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             px, py = ax.transData.transform((x, y)) * 72 / fig.dpi
             dx, dy = label_offset(px, py, placed)
             placed.append((px + dx, py + dy))
-            ax.annotate(f"TPF {r['tpf']:.1f}", (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=8)
+            ax.annotate(f"TPF {r['tpf']:.1f}", (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=8,
+                        color=colors[r["run"]])  # the point's colour: a label pushed aside stays its point's
     handles = [plt.Line2D([], [], marker="o", linestyle="", markersize=7, color=colors[d]) for d in runs]
     labels = list(runs)
     if any(r["run"] == "ar" for r in rows):
