@@ -86,6 +86,8 @@ def test_label_offset_moves_a_label_off_a_neighbours():
     dx, dy = label_offset(102, 96, [first])  # a point 4 points below the first: its label must go elsewhere
     assert abs(102 + dx - first[0]) > 45 or abs(96 + dy - first[1]) > 11
     assert label_offset(300, 100, [first]) == LABEL_OFFSETS[0]  # far away: the default place
+    dx, dy = label_offset(100, 100, [], [(130, 98)])  # another point's marker where the label would go
+    assert (dx, dy) != LABEL_OFFSETS[0] and not (100 + dx - 4 <= 130 <= 100 + dx + 49 and 100 + dy - 4 <= 98 <= 100 + dy + 14)
 
 
 def test_threads_option_sets_torch_threads_and_rejects_zero(tmp_path, bench_config, capsys):

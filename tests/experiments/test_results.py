@@ -26,7 +26,7 @@ def test_kv_cache_verdicts_per_task():
             row("code", "kv_concat", 0.50, tps=12), row("code", "kv_recompute", 0.90, tps=10)]
     word, why = verdict(CLAIM["kv_cache"], rows)
     assert word == "mixed"
-    assert why[0].startswith("arith: yes (reuse 1.20x") and why[1].startswith("code: no")
+    assert why[0].startswith("arith: yes (shipped settings: reuse 1.20x") and why[1].startswith("code: no")
     assert verdict(CLAIM["kv_cache"], rows[:2])[0] == "holds"
     slower = [row("arith", "kv_concat", 0.9, tps=9), row("arith", "kv_recompute", 0.9, tps=10)]
     assert verdict(CLAIM["kv_cache"], slower)[0] == "does not hold"
@@ -38,8 +38,24 @@ def test_kv_cache_is_not_tested_where_both_caches_made_the_same_forwards():
             row("arith", "kv_recompute", 1.0, tps=10, tpf=7.84, nfe_mean=15.6),
             row("code", "kv_concat", 1.0, tps=12), row("code", "kv_recompute", 1.0, tps=10)]
     word, why = verdict(CLAIM["kv_cache"], rows)
-    assert word == "holds" and why[0].startswith("arith: not testable, both caches made the same forwards (NFE 15.60)")
+    assert word == "holds" and why[0].startswith(
+        "arith: not testable, shipped settings: both caches made the same forwards (NFE 15.60)")
     assert verdict(CLAIM["kv_cache"], rows[:2])[0] == "cannot be tested here"
+
+
+def test_kv_cache_judged_at_the_reference_settings_where_the_shipped_ones_make_the_same_forwards():
+    same = [row("arith", "kv_concat", 1.0, tps=12, tpf=7.84, nfe_mean=15.6),
+            row("arith", "kv_recompute", 1.0, tps=10, tpf=7.84, nfe_mean=15.6)]
+    ref = [row("arith", "kv_concat_ref", 0.55, tps=9, tpf=9.3, nfe_mean=13.4),
+           row("arith", "kv_recompute_ref", 0.55, tps=10, tpf=9.5, nfe_mean=13.2)]
+    word, why = verdict(CLAIM["kv_cache"], same + ref)
+    assert word == "does not hold"
+    assert why[0].startswith("arith: no (reference settings: reuse 0.90x the tokens/s of recompute, accuracy 55% vs 55%")
+    assert "shipped settings: both caches made the same forwards" in why[0]
+    faster = [dict(r, tokens_per_second=11.0) if r["run"] == "kv_concat_ref" else r for r in ref]
+    assert verdict(CLAIM["kv_cache"], same + faster)[0] == "holds"
+    with pytest.raises(KeyError):  # half a pair is a missing run, not a pair to skip
+        results.kv_reuse_faster_and_as_accurate({r["run"]: r for r in same + ref[:1]})
 
 
 def test_missing_run_cannot_be_tested():

@@ -72,11 +72,16 @@ def bench_runs(cfg: BenchConfig, decoders: list[str], tasks: list[str], override
 LABEL_OFFSETS = ((6, -4), (6, 8), (6, -16), (-52, -4), (-52, 8))  # points: right, above, below, left
 
 
-def label_offset(px: float, py: float, placed: list[tuple[float, float]]) -> tuple[int, int]:
-    """The first of ``LABEL_OFFSETS`` whose label (about 45 x 10 points) anchored at ``(px, py)`` plus the
-    offset clears every label anchor in ``placed``; the first offset if none does."""
-    return next(((dx, dy) for dx, dy in LABEL_OFFSETS
-                 if all(abs(px + dx - qx) > 45 or abs(py + dy - qy) > 11 for qx, qy in placed)), LABEL_OFFSETS[0])
+def label_offset(px: float, py: float, placed: list[tuple[float, float]],
+                 markers: list[tuple[float, float]] = ()) -> tuple[int, int]:
+    """The first of ``LABEL_OFFSETS`` whose label (about 45 x 10 points, its anchor at its lower left)
+    anchored at ``(px, py)`` plus the offset clears every label anchor in ``placed`` and covers none of
+    the other points' ``markers`` (page positions, about 8 points wide); the first offset if none does."""
+    def clear(ax: float, ay: float) -> bool:
+        return (all(abs(ax - qx) > 45 or abs(ay - qy) > 11 for qx, qy in placed)
+                and not any(ax - 4 <= mx <= ax + 49 and ay - 4 <= my <= ay + 14 for mx, my in markers))
+
+    return next(((dx, dy) for dx, dy in LABEL_OFFSETS if clear(px + dx, py + dy)), LABEL_OFFSETS[0])
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -102,11 +107,13 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.axvspan(GOAL_SPEEDUP * ar["tokens_per_second"], xhi, ymin=(100 * ar["accuracy"] - GOAL_POINTS + 5) / 110,
                        color="tab:green", alpha=0.1, lw=0)
         placed: list[tuple[float, float]] = []  # label anchors already used, in points on the page
-        for r in pts:
+        page = [tuple(ax.transData.transform((r["tokens_per_second"], 100 * r["accuracy"])) * 72 / fig.dpi)
+                for r in pts]  # every point's marker, in points on the page
+        for i, r in enumerate(pts):
             x, y = r["tokens_per_second"], 100 * r["accuracy"]
             ax.scatter(x, y, s=60, color=colors[r["run"]])
-            px, py = ax.transData.transform((x, y)) * 72 / fig.dpi
-            dx, dy = label_offset(px, py, placed)
+            px, py = page[i]
+            dx, dy = label_offset(px, py, placed, page[:i] + page[i + 1:])
             placed.append((px + dx, py + dy))
             ax.annotate(f"TPF {r['tpf']:.1f}", (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=8,
                         color=colors[r["run"]])  # the point's colour: a label pushed aside stays its point's
