@@ -82,6 +82,7 @@ def _by_task(rows: Rows) -> dict[str, dict[str, dict[str, Any]]]:
 # per-task tests of the paper's claims: each returns (holds on this task, the deciding numbers)
 # --------------------------------------------------------------------------------------------------
 # (reuse, recompute) run pairs of kv_cache.yaml: at the shipped per-task settings, and at the reference's own
+# settings (the yaml says which)
 KV_PAIRS = (("shipped settings", "kv_concat", "kv_recompute"),
             ("reference settings", "kv_concat_ref", "kv_recompute_ref"))
 
