@@ -35,6 +35,13 @@ def make_tiny_qwen3(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int
 
 
 
+def kept_rows(per_position: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The entries of ``per_position [B, T]`` at the positions whose logits a forward computed."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return per_position[:, logits_to_keep]
+    return per_position[:, -logits_to_keep:] if logits_to_keep else per_position
+
+
 def force_token(model, position: int, token: int, boost: float = 1e4):
     """Make ``model`` predict ``token`` wherever the logits predict ``position``.
 
@@ -45,7 +52,7 @@ def force_token(model, position: int, token: int, boost: float = 1e4):
 
     def hook(module, args, kwargs, output):
         ids, pos = kwargs["input_ids"], kwargs["position_ids"]
-        target = torch.where(ids == mask_id, pos, pos + 1)
+        target = kept_rows(torch.where(ids == mask_id, pos, pos + 1), kwargs.get("logits_to_keep", 0))
         output.logits[..., token] += boost * (target == position).to(output.logits.dtype)
         return output
 
@@ -60,3 +67,8 @@ def ban_token(model, token: int):
         return output
 
     return model.register_forward_hook(hook)
+
+
+def chosen(mask: torch.Tensor) -> list[int]:
+    """Indices where a selector's ``[n]`` bool mask is True."""
+    return mask.nonzero().flatten().tolist()

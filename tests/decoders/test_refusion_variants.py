@@ -3,7 +3,7 @@ adaptive (split) slots, alternative scorers."""
 
 import pytest
 import torch
-from helpers import ban_token, force_token
+from helpers import ban_token, chosen, force_token
 
 from refusion.core.config import build_decoder
 
@@ -39,8 +39,8 @@ def test_threshold_fallback_when_no_slot_passes(fallback):
     from refusion.plugins.selectors import ThresholdSelector
 
     sel = ThresholdSelector(ThresholdSelector.Options(slot_threshold=0.9, fallback=fallback))
-    assert sel.select(torch.tensor([0.2, 0.95, 0.3, 0.99])) == [1, 3]  # slots that pass: the fallback is unused
-    assert sel.select(torch.tensor([0.2, 0.5, 0.3, 0.8])) == ([3] if fallback == "best" else [0])
+    assert chosen(sel.select(torch.tensor([0.2, 0.95, 0.3, 0.99]))) == [1, 3]  # slots that pass: the fallback is unused
+    assert chosen(sel.select(torch.tensor([0.2, 0.5, 0.3, 0.8]))) == ([3] if fallback == "best" else [0])
 
 
 def test_leftmost_fallback_decodes_in_order_when_nothing_is_confident(backbone):

@@ -1,5 +1,9 @@
 """The parts a decoder is built from, and the decoder itself.
 
+Parts are pure functions of device tensors: they take and return tensors on the model's device and
+read no value on the host (a synchronisation on a GPU); the decoding loop decides where it needs a
+number and reads it through :func:`refusion.core.host.to_host`.
+
 Each part is a small class with a nested pydantic ``Options`` model (unknown fields rejected) and one
 method over tensors, so that a third-party part is a function of tensors a test can call without a
 model. Parts know nothing about the loop that calls them.
@@ -49,7 +53,8 @@ class Drafter(Part):
 
     @abstractmethod
     def draft(self, logits: Tensor, generator: torch.Generator | None = None) -> Proposal:
-        """``logits [S, k, V]`` (at [MASK] inputs: each predicts its own position) -> Proposal."""
+        """``logits [S, k, V]`` float32 (at [MASK] inputs: each predicts its own position) -> Proposal, on the
+        logits' device. ``generator`` lives on that device too."""
 
 
 class Scorer(Part):
@@ -68,9 +73,9 @@ class Selector(Part):
     kind = "selector"
 
     @abstractmethod
-    def select(self, scores: Tensor) -> list[int]:
-        """``scores [S]`` of the pool's slots (in position order) -> chosen indices, ascending, non-empty."""
-
+    def select(self, scores: Tensor) -> Tensor:
+        """``scores [S]`` of the pool's slots (in position order) -> ``[S]`` bool, True at the chosen slots,
+        at least one True; on the scores' device, without reading values on the host."""
 
 class Verifier(Part):
     """Accepts drafted tokens from their causal (next-token) probabilities. Pure functions of tensors."""
@@ -116,7 +121,9 @@ class Remasker(Part):
     def keep(self, confidence: Tensor, lengths: list[int]) -> list[int]:
         """``confidence [S, k]``: the probability each filled token was accepted with (Stage-I prob for a
         slot's first token, causal verification prob for the others); ``lengths``: real tokens per slot.
-        -> tokens to keep per slot, each in ``1 .. lengths[s]`` (a kept part is always a prefix)."""
+        -> tokens to keep per slot, each in ``1 .. lengths[s]`` (a kept part is always a prefix). A remasker
+        that reads ``confidence`` on the host does so through :func:`refusion.core.host.to_host` (one
+        synchronisation per call)."""
 
 
 class DecoderOptions(Options):
@@ -151,10 +158,10 @@ class Decoder(ABC):
             raise ValueError("prompt is empty: give at least one token")
         self.backbone.check_length(len(prompt_ids), self.options.gen_length)
         nfe0, tok0 = self.backbone.nfe, self.backbone.tokens_in
-        generator = torch.Generator(device="cpu").manual_seed(self.options.seed)
+        generator = torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
         t0 = time.perf_counter()
         out = self._decode(prompt_ids, generator)
-        self.backbone.synchronize()
+        self.backbone.check_finite()  # one synchronisation: every queued kernel has run
         wall = time.perf_counter() - t0
         stats = DecodeStats(
             generated_tokens=len(out.token_ids), nfe=self.backbone.nfe - nfe0,

@@ -21,7 +21,7 @@ class Proposal:
     """Drafted tokens for S slots of k positions each (from logits at [MASK] inputs)."""
 
     token_ids: Tensor  # [S, k] long: drafted token per position
-    probs: Tensor  # [S, k] float: softmax probability (of the un-noised logits) of the drafted token
+    probs: Tensor  # [S, k] float32: softmax probability (of the un-noised logits) of the drafted token
     logits: Tensor  # [S, k, V] float32: the logits the draft came from (scorers may need the distribution)
     valid: Tensor | None = None  # [S, k] bool: real positions when slots differ in size (padding after); None = all
 
@@ -40,8 +40,8 @@ class Verdict:
     """What the Stage II-a verifier accepted from a concatenation of S drafted slots."""
 
     passed: Tensor  # [S, k] bool: per-token pass mark (first token of every slot forced True)
-    prefix_len: int  # longest all-pass run from the start of the concatenation, in (real) tokens
-    accepted_slots: int  # leading slots lying wholly inside that prefix
+    prefix_len: Tensor  # [] long: longest all-pass run from the start of the concatenation, in (real) tokens
+    accepted_slots: Tensor  # [] long: leading slots lying wholly inside that prefix
 
 
 @dataclass

@@ -25,6 +25,15 @@ depend on the masks to its right and the W leftmost slots' drafts are those of t
 further right wait, and the forward is narrower. Slots may therefore differ in size;
 proposals are padded to the largest with a ``valid`` mask. Differences from the reference code:
 docs/refusion.md.
+
+Data path: logits, proposals, scores, selections, verdicts and the cache stay on the model's device;
+each forward computes logits only for the rows read (Stage I: the drafted masks, never the prompt;
+II-a: the drafts' predecessors; II-b: the unverified columns and the verified tokens' predecessors).
+The loop reads the device on the host (:func:`refusion.core.host.to_host`) once after selection (the
+chosen slots and the scores for the trace), once after Stage II-a (prefix length, whole slots
+accepted, the drafted tokens) and once per Stage II-b round (rows finished, the common verified
+prefix, an EOS row, the filled tokens): ``2 + rounds`` per iteration, plus one per decode for the
+finiteness check. Adaptive slots and the ``sub_slot`` remasker each add one read where they act.
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ from torch import Tensor
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
+from refusion.core.host import to_host
 from refusion.core.interfaces import Decoder, DecoderOptions
+from refusion.core.probs import next_token_probs
 from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
-from refusion.decoders.common import cut_after_eos, next_token_probs
+from refusion.decoders.common import cut_after_eos
+from refusion.models.backend import ALL_ROWS
 
 
 class RefusionOptions(DecoderOptions):
@@ -84,16 +96,25 @@ class RefusionOptions(DecoderOptions):
         return self
 
 
-def pad_slots(values: Tensor, slots: list[Slot], fill: float | int = 0) -> tuple[Tensor, Tensor]:
-    """Rows of a flat per-position tensor ``[N, ...]`` grouped by slot -> ``[S, k_max, ...]`` and ``valid [S, k_max]``."""
-    k_max = max(s.size for s in slots)
-    offsets = torch.tensor([0] + [s.size for s in slots]).cumsum(0)[:-1]  # [S]
-    j = torch.arange(k_max)
-    valid = j[None, :] < torch.tensor([s.size for s in slots])[:, None]  # [S, k_max]
-    idx = torch.where(valid, offsets[:, None] + j[None, :], 0)
-    out = values[idx]
-    out[~valid] = fill
-    return out, valid
+def grid_index(sizes: list[int], width: int) -> list[int]:
+    """Flat indices of the real entries of a ``[S, width]`` grid whose row s holds ``sizes[s]`` entries."""
+    return [row * width + j for row, size in enumerate(sizes) for j in range(size)]
+
+
+def pad_slots(values: Tensor, sizes: list[int], fill: float | int = 0) -> tuple[Tensor, Tensor]:
+    """Rows of a flat per-position tensor ``values [N, ...]`` grouped into slots of ``sizes`` (sum N) ->
+    ``[S, k_max, ...]`` and ``valid [S, k_max]``, on ``values``' device. Equal sizes: a view, no copy."""
+    S, k_max = len(sizes), max(sizes)
+    if all(size == k_max for size in sizes):
+        valid = torch.ones(S, k_max, dtype=torch.bool, device=values.device)
+        return values.view(S, k_max, *values.shape[1:]), valid
+    offsets = [sum(sizes[:s]) for s in range(S)]
+    index = torch.tensor([[offsets[s] + min(j, sizes[s] - 1) for j in range(k_max)] for s in range(S)],
+                         device=values.device)  # [S, k_max]; padding repeats the slot's last entry
+    valid = torch.arange(k_max, device=values.device)[None, :] < torch.tensor(sizes, device=values.device)[:, None]
+    out = values[index]
+    fill_mask = ~valid.view(S, k_max, *([1] * (values.dim() - 1)))
+    return out.masked_fill(fill_mask, fill), valid
 
 
 class RefusionDecoder(Decoder):
@@ -103,15 +124,16 @@ class RefusionDecoder(Decoder):
 
     def _decode(self, prompt_ids, generator):
         o: RefusionOptions = self.options
-        bb, k = self.backbone, o.slot_size
+        bb = self.backbone
         P = len(prompt_ids)
-        self.backbone.check_length(P, o.padded_length)
+        bb.check_length(P, o.padded_length)
         st = DecodeState(ids=list(prompt_ids), pos=list(range(P)), prompt_len=P)
+        self._eos = torch.tensor(sorted(bb.eos_ids), device=bb.device)
         block_len = o.padded_length // o.serial_blocks
         cache = None
         trace: list[IterationTrace] = []
         for b in range(o.serial_blocks):
-            st.pool = [Slot(P + b * block_len + i, k) for i in range(0, block_len, k)]
+            st.pool = [Slot(P + b * block_len + i, o.slot_size) for i in range(0, block_len, o.slot_size)]
             st.next_logits = None
             while st.pool:
                 nfe0 = bb.nfe
@@ -124,112 +146,94 @@ class RefusionDecoder(Decoder):
         ratios = [it.tokens / it.forwards for it in trace if it.forwards]
         return LoopOutput(ids, trace, st.ids, st.pos, sum(ratios) / len(ratios) if ratios else 0.0)
 
+    # ------------------------------------------------------------------ one iteration
+    def _iteration(self, st: DecodeState, cache, block: int, generator) -> tuple[object, IterationTrace]:
+        """Stage I (draft, score, select), Stage II-a (verify the chosen drafts), else Stage II-b."""
+        cache, drafted, proposal, fused = self._stage_one(st, cache, generator)
+        scores = self.parts["scorer"].score(proposal)  # [n_drafted]
+        selected = self.parts["selector"].select(scores)  # [n_drafted] bool
+        score_values, selected_flags = to_host(scores, selected)  # host read 1
+        rows = [i for i, flag in enumerate(selected_flags) if flag]
+        chosen = [drafted[i] for i in rows]
+        trace = IterationTrace(
+            block=block, stage="II-a", scored=[(s.start, x) for s, x in zip(drafted, score_values)],
+            chosen=[s.start for s in chosen], accepted=[], forwards=0, fused=fused,
+        )
+        row_index = torch.tensor(rows, device=self.backbone.device)
+        draft_ids, draft_probs = proposal.token_ids[row_index], proposal.probs[row_index]  # [S, k_max]
+        if self.options.split_threshold is not None:
+            chosen = self._split(st, chosen, draft_probs, trace)
+        return self._stage_two_a(st, cache, trace, chosen, draft_ids, draft_probs)
+
     # ------------------------------------------------------------------ Stage I
-    def _stage_one(self, st: DecodeState, cache, generator) -> tuple[object, Proposal, bool]:
-        """Draft the pool's window: -> (cache, proposal [n_drafted, k_max], whether the logits were reused)."""
+    def _stage_one(self, st: DecodeState, cache, generator) -> tuple[object, list[Slot], Proposal, bool]:
+        """One forward of the drafted slots' [MASK]s at their original positions after the committed
+        buffer (KV dropped again) -> (cache, drafted slots, proposal ``[n_drafted, k_max]``, whether the
+        logits came from the previous II-a forward: fused scheduling)."""
         bb = self.backbone
         drafted = st.pool[: self.options.draft_window]
-        base = len(st.ids)
         fused = st.next_logits is not None
         if fused:
             logits, st.next_logits = st.next_logits, None
         else:
             mask_pos = [p for s in drafted for p in s.positions]  # [N]
             masks = [bb.mask_id] * len(mask_pos)
-            if cache is None:  # first call: the prompt's prefill rides along
-                cache = bb.new_cache()
-                logits = bb.forward(torch.tensor(st.ids + masks), torch.tensor(st.pos + mask_pos), cache)[0, base:]
+            if cache is None:  # first call: the prompt's prefill rides along, its logits are not computed
+                cache, base = bb.new_cache(), len(st.ids)
+                logits = bb.forward(torch.tensor(st.ids + masks), torch.tensor(st.pos + mask_pos), cache,
+                                    logits_at=slice(base, None))[0]
                 bb.crop(cache, base)
             else:
-                logits = bb.forward(torch.tensor(masks), torch.tensor(mask_pos), cache, keep_kv=False)[0]
-        padded, valid = pad_slots(logits, drafted)  # [n_drafted, k_max, V]
-        proposal = self.parts["drafter"].draft(padded, generator)
+                logits = bb.forward(torch.tensor(masks), torch.tensor(mask_pos), cache, keep_kv=False,
+                                    logits_at=ALL_ROWS)[0]  # [N, V]
+        slot_logits, valid = pad_slots(logits, [s.size for s in drafted])  # [n_drafted, k_max, V]
+        proposal = self.parts["drafter"].draft(slot_logits, generator)
         proposal.valid = valid
-        return cache, proposal, fused
+        return cache, drafted, proposal, fused
 
-    def _split(self, st: DecodeState, chosen: list[Slot], probs: Tensor, trace: IterationTrace) -> list[Slot]:
-        """Adaptive slots: cut each chosen slot before its first draft below ``split_threshold``."""
-        o = self.options
-        out = []
-        for slot, row in zip(chosen, probs):
-            low = (row[: slot.size] < o.split_threshold).nonzero().flatten().tolist()
-            cut = next((j for j in low if j >= o.min_split), slot.size)
-            if cut < slot.size:
-                head, tail = Slot(slot.start, cut), Slot(slot.start + cut, slot.size - cut)
-                i = st.pool.index(slot)
-                st.pool[i : i + 1] = [head, tail]
-                trace.split.append((tail.start, tail.size))
-                slot = head
-            out.append(slot)
-        return out
-
-    # ------------------------------------------------------------------ one iteration
-    def _iteration(self, st: DecodeState, cache, block: int, generator) -> tuple[object, IterationTrace]:
+    # ------------------------------------------------------------------ Stage II-a
+    def _stage_two_a(self, st, cache, trace, chosen, draft_ids, draft_probs):
+        """One causal forward of the chosen drafts concatenated in position order; accept the verified
+        prefix's whole slots (or up to an EOS in it), else hand every chosen slot to Stage II-b."""
         bb, o = self.backbone, self.options
-        base = len(st.ids)
-        cache, proposal, fused = self._stage_one(st, cache, generator)
-        scores = self.parts["scorer"].score(proposal)  # [n_drafted]: the pool's first slots
-        chosen_idx = self.parts["selector"].select(scores)
-        chosen = [st.pool[i] for i in chosen_idx]
-        trace = IterationTrace(
-            block=block, stage="II-a", scored=[(s.start, float(x)) for s, x in zip(st.pool, scores)],
-            chosen=[s.start for s in chosen], accepted=[], forwards=0, fused=fused,
-        )
-        draft_probs = proposal.probs[chosen_idx]  # [S, k_max]
-        if o.split_threshold is not None:
-            chosen = self._split(st, chosen, draft_probs, trace)
-        S = len(chosen)
-        drafts = proposal.token_ids[chosen_idx]  # [S, k_max]
-        valid = torch.arange(drafts.shape[1])[None, :] < torch.tensor([s.size for s in chosen])[:, None]
-        flat_ids = drafts[valid]  # [n] real draft tokens, slot after slot
-        flat_pos = torch.tensor([p for s in chosen for p in s.positions])  # [n]
-
-        # Stage II-a: global causal verification of the concatenated drafts (+ unchosen masks if fused).
-        rest = [s for s in st.pool if s not in chosen][: o.draft_window]  # the next Stage I's slots if all pass
-        ids, pos = flat_ids, flat_pos
-        if o.fused and rest:
-            rest_pos = torch.tensor([p for s in rest for p in s.positions])
-            ids, pos = torch.cat([ids, torch.full_like(rest_pos, bb.mask_id)]), torch.cat([pos, rest_pos])
-        vlogits = bb.forward(ids, pos, cache)[0]  # KV kept: exact for an accepted prefix
-        ar_flat = next_token_probs(vlogits[: len(flat_ids)], flat_ids)
-        ar_probs = torch.ones_like(draft_probs)
-        ar_probs[valid] = ar_flat
+        base, sizes, width = len(st.ids), [s.size for s in chosen], draft_ids.shape[1]
+        real = torch.tensor(grid_index(sizes, width), device=bb.device)  # [n] real drafts in the [S, k_max] grid
+        valid = torch.zeros(len(chosen) * width, dtype=torch.bool, device=bb.device).index_fill_(0, real, True)
+        valid = valid.view(len(chosen), width)  # [S, k_max]
+        flat_ids = draft_ids.reshape(-1)[real]  # [n] slot after slot
+        flat_pos = [p for s in chosen for p in s.positions]
+        n = len(flat_pos)
+        rest = self._fused_rest(st, chosen)
+        ids, pos, logits_at = flat_ids, torch.tensor(flat_pos), slice(0, n - 1)  # a draft's predecessor's row
+        if rest:
+            rest_pos = [p for s in rest for p in s.positions]
+            ids = torch.cat([ids, torch.full((len(rest_pos),), bb.mask_id, device=bb.device)])
+            pos = torch.tensor(flat_pos + rest_pos)
+            logits_at = torch.cat([torch.arange(n - 1), torch.arange(n, n + len(rest_pos))])
+        logits = bb.forward(ids, pos, cache, logits_at=logits_at)[0]  # KV kept: exact for an accepted prefix
+        ar_probs = torch.ones(len(chosen) * width, device=bb.device).index_copy_(
+            0, real, next_token_probs(logits[: n - 1], flat_ids)).view(len(chosen), width)  # [S, k_max]
         verdict = self.parts["verifier"].verify(draft_probs, ar_probs, valid)
-        prefix = flat_ids[: verdict.prefix_len].tolist()
-        eos_at = next((i for i, t in enumerate(prefix) if t in bb.eos_ids), None)
-        if eos_at is not None or verdict.accepted_slots > 0:
-            n_tok = eos_at + 1 if eos_at is not None else sum(s.size for s in chosen[: verdict.accepted_slots])
-            bb.crop(cache, base + n_tok)
-            st.commit(prefix[:n_tok], flat_pos[:n_tok].tolist())
-            ends = torch.tensor([s.size for s in chosen]).cumsum(0).tolist()
-            done = chosen[: next(i for i, e in enumerate(ends) if e >= n_tok) + 1]
-            trace.accepted = [(s.start, min(s.size, n_tok - (e - s.size))) for s, e in zip(done, ends)]
-            self._retire(st, done, eos_slot=done[-1] if eos_at is not None else None)
-            if o.fused and rest and eos_at is None and len(done) == S:
-                st.next_logits = vlogits[len(flat_ids):]  # same prefix, same masks: next Stage I's logits
-            return cache, trace
-        bb.crop(cache, base)
-        return self._stage_two_b(st, cache, trace, chosen, drafts, valid, verdict.passed, draft_probs, ar_probs)
+        prefix_len, accepted_slots, drafts = to_host(verdict.prefix_len, verdict.accepted_slots, flat_ids)  # read 2
+        eos_at = next((i for i, t in enumerate(drafts[:prefix_len]) if t in bb.eos_ids), None)
+        if eos_at is None and accepted_slots == 0:
+            bb.crop(cache, base)
+            return self._stage_two_b(st, cache, trace, chosen, draft_ids, valid, verdict.passed, draft_probs, ar_probs)
+        n_tok = eos_at + 1 if eos_at is not None else sum(sizes[:accepted_slots])
+        bb.crop(cache, base + n_tok)
+        st.commit(drafts[:n_tok], flat_pos[:n_tok])
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        done = chosen[: next(i for i, e in enumerate(ends) if e >= n_tok) + 1]
+        trace.accepted = [(s.start, min(s.size, n_tok - (e - s.size))) for s, e in zip(done, ends)]
+        self._retire(st, done, eos_slot=done[-1] if eos_at is not None else None)
+        if rest and eos_at is None and len(done) == len(chosen):
+            st.next_logits = logits[n - 1 :]  # same committed prefix, same masks: the next Stage I's logits
+        return cache, trace
 
     # ------------------------------------------------------------------ Stage II-b
-    @staticmethod
-    def _join_adjacent(chosen: list[Slot], valid: Tensor, *rows: Tensor) -> tuple[list[Slot], Tensor, list[Tensor]]:
-        """Runs of touching chosen slots (``chosen`` in position order) -> one slot each; ``valid`` and each
-        ``[S, k_max]`` tensor of ``rows`` regrouped to ``[G, K_max]`` (padding 0)."""
-        joined: list[Slot] = []
-        for s in chosen:
-            if joined and joined[-1].start + joined[-1].size == s.start:
-                joined[-1] = Slot(joined[-1].start, joined[-1].size + s.size)
-            else:
-                joined.append(Slot(s.start, s.size))
-        if len(joined) == len(chosen):
-            return chosen, valid, list(rows)
-        regrouped = [pad_slots(r[valid], joined)[0] for r in rows]  # the real entries, slot after slot
-        return joined, pad_slots(valid[valid], joined)[1], regrouped
-
     def _stage_two_b(self, st, cache, trace, chosen, drafts, valid, passed, draft_probs, ar_probs):
-        """Complete every chosen slot in its own cache row (with ``join_adjacent``, every run of touching
-        chosen slots in one row); merge the rows' KV; commit."""
+        """Complete every chosen slot in its own cache row, in rounds of predict + verify; merge the
+        rows' KV with the cache manager; commit."""
         bb = self.backbone
         if self.options.join_adjacent:
             chosen, valid, (drafts, passed, draft_probs, ar_probs) = self._join_adjacent(
@@ -237,51 +241,78 @@ class RefusionDecoder(Decoder):
         base, S, k = len(st.ids), len(chosen), drafts.shape[1]
         trace.stage = "II-b"
         bb.repeat_rows(cache, S)
-        spec = drafts.clone()  # [S, k]
-        pos = torch.tensor([s.start for s in chosen])[:, None] + torch.arange(k)[None, :]  # padding runs on
-        tags = torch.cumprod(passed.int(), dim=-1).bool() | ~valid  # [S, k] verified (padding counts as done)
-        conf = torch.where(tags, ar_probs, 0.0)  # acceptance probability of each verified token
-        conf[:, 0] = draft_probs[:, 0]
-        eos = torch.tensor(sorted(bb.eos_ids))
-        a = 0  # tokens of every row whose KV is kept (a common verified prefix, minus one while incomplete)
+        filled = drafts.clone()  # [S, k] tokens of every row, verified or not
+        positions = torch.tensor([[s.start + j for j in range(k)] for s in chosen], device=bb.device)  # [S, k]
+        verified = torch.cumprod(passed.int(), dim=-1).bool() | ~valid  # [S, k] (padding counts as done)
+        confidence = torch.where(verified, ar_probs, 0.0)  # [S, k] probability each token was accepted with
+        confidence[:, 0] = draft_probs[:, 0]
+        kept = 0  # columns of every row whose KV the cache keeps: the common verified prefix (minus one while open)
         eos_row = None
-        while not tags.all():
+        while True:
             trace.rounds += 1
-            cur = tags[:, a:]
-            masked = torch.where(cur, spec[:, a:], bb.mask_id)
-            fill = bb.forward(masked, pos[:, a:], cache, keep_kv=False).argmax(-1)  # predict [S, k-a]
-            spec[:, a:] = torch.where(cur, spec[:, a:], fill)
-            vlog = bb.forward(spec[:, a:], pos[:, a:], cache)  # verify; KV kept, cropped below
-            probs = next_token_probs(vlog, spec[:, a:])
-            new = self.parts["verifier"].extend(probs, cur) | ~valid[:, a:]
+            before = verified[:, kept:]  # [S, m]; column 0 is verified in every row
+            window = filled[:, kept:]  # a view: filled in place
+            m = k - kept
+            masked = torch.where(before, window, bb.mask_id)
+            predicted = bb.forward(masked, positions[:, kept:], cache, keep_kv=False,
+                                   logits_at=slice(1, None)).argmax(-1)  # [S, m-1]
+            window[:, 1:] = torch.where(before[:, 1:], window[:, 1:], predicted)
+            logits = bb.forward(window, positions[:, kept:], cache, logits_at=slice(0, m - 1))  # [S, m-1, V]
+            log_norm = logits.logsumexp(-1)
+            probs = next_token_probs(logits, window, log_norm)  # [S, m]
+            after = self.parts["verifier"].extend(probs, before) | ~valid[:, kept:]
             if self.options.correct:
-                new = self._correct(spec[:, a:], vlog, cur, new, valid[:, a:])
-                probs = next_token_probs(vlog, spec[:, a:])  # a corrected token's own AR prob
-            conf[:, a:] = torch.where(new & ~cur, probs, conf[:, a:])
-            tags[:, a:] = new
-            eos_hit = torch.isin(spec[:, a:], eos) & new & valid[:, a:]
-            if eos_hit.any():  # a verified EOS: drop the chosen slots after it; its row counts as done
-                eos_row = int(eos_hit.any(dim=1).nonzero()[0])
-                keep = slice(0, eos_row + 1)
-                spec, pos, tags, valid, conf, chosen = spec[keep], pos[keep], tags[keep], valid[keep], conf[keep], chosen[keep]
-                tags[eos_row] = True
-                bb.select(cache, list(range(eos_row + 1)))
-            gain = int(torch.cumprod(tags[:, a:].int(), dim=-1).sum(dim=1).min())
-            a = a + gain if tags.all() else a + gain - 1
-            bb.crop(cache, base + a)
+                after = self._correct(window, logits, before, after, valid[:, kept:])
+                probs = next_token_probs(logits, window, log_norm)  # a corrected token's own AR prob
+            confidence[:, kept:] = torch.where(after & ~before, probs, confidence[:, kept:])
+            verified[:, kept:] = after
+            first_eos, gain, finished, tokens = self._round_status(filled, verified, valid, kept)
+            if first_eos < S:  # a verified EOS: drop the chosen slots after it; its row counts as done
+                eos_row, S = first_eos, first_eos + 1
+                filled, positions, verified, valid, confidence = (
+                    t[:S] for t in (filled, positions, verified, valid, confidence))
+                verified[eos_row] = True
+                chosen = chosen[:S]
+                bb.select(cache, list(range(S)))
+            kept = kept + gain if finished else kept + gain - 1
+            bb.crop(cache, base + kept)
+            if finished:
+                break
+        return self._commit_rows(st, cache, trace, chosen, tokens[:S], confidence, eos_row)
 
-        tokens = cut_after_eos(spec[valid].tolist(), bb.eos_ids)
-        lengths, n = [], len(tokens)
+    def _round_status(self, filled: Tensor, verified: Tensor, valid: Tensor, kept: int) -> tuple[int, int, bool, list]:
+        """After a round, in one host read: the first row holding a verified EOS (``S`` if none), the
+        common verified prefix gained from column ``kept`` over the rows still in play, whether they are
+        all complete, and every row's tokens (``[S][k]`` host lists)."""
+        S, k = filled.shape
+        rows = torch.arange(S, device=filled.device)
+        eos_hit = torch.isin(filled[:, kept:], self._eos) & verified[:, kept:] & valid[:, kept:]  # [S, m]
+        has_eos = eos_hit.any(dim=1)
+        first_eos = torch.where(has_eos.any(), has_eos.int().argmax(), S)  # []
+        in_play = rows <= first_eos  # [S]
+        done = verified | (rows == first_eos)[:, None]  # the EOS row counts as complete
+        prefix = torch.cumprod(done[:, kept:].int(), dim=-1).sum(dim=1)  # [S]
+        gain = torch.where(in_play, prefix, k).min()
+        finished = (done | ~in_play[:, None]).all()
+        return tuple(to_host(first_eos, gain, finished, filled))  # the one read of a round
+
+    def _commit_rows(self, st, cache, trace, chosen, tokens, confidence, eos_row):
+        """Commit the completed rows (``tokens [S][k]`` on the host): cut after the first EOS, keep what the
+        remasker keeps, merge the rows' KV; remasked suffixes go back to the pool as shorter slots."""
+        bb = self.backbone
+        base = len(st.ids)
+        flat = cut_after_eos([t for row, s in zip(tokens, chosen) for t in row[: s.size]], bb.eos_ids)
+        lengths, left = [], len(flat)
         for s in chosen:
-            lengths.append(max(0, min(s.size, n)))
-            n -= s.size
+            lengths.append(max(0, min(s.size, left)))
+            left -= s.size
         lengths = [m for m in lengths if m > 0]
         chosen = chosen[: len(lengths)]
-        keep = self.parts["remasker"].keep(conf, lengths)
+        keep = self.parts["remasker"].keep(confidence[: len(lengths)], lengths)
         if eos_row is not None:
             keep[-1] = lengths[-1]  # the EOS slot is kept whole: it ends the text
-        rows = [spec[i, :m].tolist() for i, m in enumerate(keep)]
-        rows_pos = [pos[i, :m].tolist() for i, m in enumerate(keep)]
+        rows = [tokens[i][:m] for i, m in enumerate(keep)]
+        rows_pos = [list(range(s.start, s.start + m)) for s, m in zip(chosen, keep)]
         if len(rows) < bb.cache_rows(cache):
             bb.select(cache, list(range(len(rows))))
         cache = self.parts["cache"].merge_rows(bb, cache, base, rows, rows_pos)
@@ -301,21 +332,65 @@ class RefusionDecoder(Decoder):
         st.pool.sort(key=lambda s: s.start)
         return cache, trace
 
+    # ------------------------------------------------------------------ opt-in variants
+    def _fused_rest(self, st: DecodeState, chosen: list[Slot]) -> list[Slot]:
+        """Fused scheduling: the pool slots not chosen (within the draft window) whose [MASK]s ride on the
+        II-a forward; if every chosen slot is accepted, their logits are the next Stage I's. [] when off."""
+        if not self.options.fused:
+            return []
+        return [s for s in st.pool if s not in chosen][: self.options.draft_window]
+
+    def _split(self, st: DecodeState, chosen: list[Slot], probs: Tensor, trace: IterationTrace) -> list[Slot]:
+        """Adaptive slots: cut each chosen slot before its first draft below ``split_threshold`` (one host
+        read of the chosen drafts' probabilities)."""
+        o = self.options
+        (low_rows,) = to_host(probs < o.split_threshold)  # [S][k_max]
+        out = []
+        for slot, low in zip(chosen, low_rows):
+            cut = next((j for j in range(o.min_split, slot.size) if low[j]), slot.size)
+            if cut < slot.size:
+                head, tail = Slot(slot.start, cut), Slot(slot.start + cut, slot.size - cut)
+                i = st.pool.index(slot)
+                st.pool[i : i + 1] = [head, tail]
+                trace.split.append((tail.start, tail.size))
+                slot = head
+            out.append(slot)
+        return out
+
     @staticmethod
-    def _correct(spec: Tensor, vlog: Tensor, cur: Tensor, new: Tensor, valid: Tensor) -> Tensor:
-        """Replace, in place, each row's first token that was unverified before this round by the AR argmax
-        of its predecessor's logits; that token is verified, the ones after it (drafted against the old
-        token) are not, unless the argmax is the drafted token. ``spec, cur, new, valid [S, m]``,
-        ``vlog [S, m, V]``; position 0 of every row is verified (the decoder keeps one verified token)."""
-        open_rows = (~cur & valid).any(dim=1).nonzero().flatten()
-        for r in open_rows.tolist():
-            u = int((~cur[r]).nonzero()[0])
-            best = int(vlog[r, u - 1].argmax())
-            if best != int(spec[r, u]):
-                spec[r, u] = best
-                new[r, u + 1 :] = ~valid[r, u + 1 :]
-            new[r, u] = True
-        return new
+    def _join_adjacent(chosen: list[Slot], valid: Tensor, *grids: Tensor) -> tuple[list[Slot], Tensor, list[Tensor]]:
+        """Runs of touching chosen slots (``chosen`` in position order) -> one slot each; ``valid`` and each
+        ``[S, k_max]`` tensor of ``grids`` regrouped to ``[G, K_max]`` (padding 0)."""
+        joined: list[Slot] = []
+        for s in chosen:
+            if joined and joined[-1].start + joined[-1].size == s.start:
+                joined[-1] = Slot(joined[-1].start, joined[-1].size + s.size)
+            else:
+                joined.append(Slot(s.start, s.size))
+        if len(joined) == len(chosen):
+            return chosen, valid, list(grids)
+        real = torch.tensor(grid_index([s.size for s in chosen], valid.shape[1]), device=valid.device)
+        sizes = [s.size for s in joined]
+        regrouped = [pad_slots(g.reshape(-1)[real], sizes)[0] for g in grids]  # the real entries, slot after slot
+        return joined, pad_slots(valid.reshape(-1)[real], sizes)[1], regrouped
+
+    @staticmethod
+    def _correct(window: Tensor, logits: Tensor, before: Tensor, after: Tensor, valid: Tensor) -> Tensor:
+        """AR correction: in each row, the first token not verified before this round becomes the argmax of
+        its predecessor's causal logits (written into ``window`` in place); it is verified, and the tokens
+        after it (drafted against the old token) are not, unless the argmax is the drafted token.
+        ``window, before, after, valid [S, m]``, ``logits [S, m-1, V]``; column 0 of every row is verified."""
+        S, m = window.shape
+        rows, cols = torch.arange(S, device=window.device), torch.arange(m, device=window.device)
+        open_ = ~before & valid
+        has_open = open_.any(dim=1)  # [S]
+        first_open = open_.int().argmax(dim=1)  # [S] (0 in rows with none, never used there)
+        best = logits[rows, (first_open - 1).clamp_min(0)].argmax(-1)  # [S]
+        drafted = window[rows, first_open]
+        replaced = has_open & (best != drafted)
+        window[rows, first_open] = torch.where(has_open, best, drafted)
+        after = torch.where(replaced[:, None] & (cols[None, :] > first_open[:, None]), ~valid, after)
+        return after | (has_open[:, None] & (cols[None, :] == first_open[:, None]))
 
     @staticmethod
     def _retire(st: DecodeState, done: list[Slot], eos_slot: Slot | None) -> None:

@@ -1,9 +1,10 @@
 """The backbone adapter: a Hugging Face causal LM driven with explicit position ids over a KV cache.
 
-Every forward goes through :meth:`Backbone.forward`, which counts forward calls (NFE) and tokens fed,
-always passes an attention mask (transformers builds a packed-sequence mask for non-monotone position
-ids without one), refuses non-finite logits, and sets the [MASK] logit to the lowest float, so no
-decoder ever emits [MASK] as a token. The cache operations the decoders need (crop, fork
+Every forward goes through :meth:`Backbone.forward`, which counts forward calls (NFE), tokens fed and
+logits rows computed, passes an attention mask wherever there is no cache (transformers builds a
+packed-sequence mask for non-monotone position ids without one), computes logits only at the positions
+the caller reads, keeps them on the model's device, flags non-finite logits, and sets the [MASK] logit
+to the lowest float, so no decoder ever emits [MASK] as a token. The cache operations the decoders need (crop, fork
 into N rows, select rows, append per-row KV) are methods here, written against transformers 5.x
 ``DynamicCache`` (``cache.layers[i].keys`` / ``.values``, shape ``[B, n_kv_heads, T, head_dim]``).
 """
@@ -12,14 +13,20 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from refusion.core import host
 from refusion.models.loading import resolve_model_path
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
+
+#: which fed positions' logits a forward computes: a slice, a 1-D index tensor, or None (no logits)
+LogitsAt = slice | Tensor | None
+ALL_ROWS = slice(None)
 
 
 class MaskTokenError(ValueError):
@@ -82,9 +89,17 @@ class Backbone:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {self.attention!r} not one of {ATTENTION_KINDS}")
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.device = next(model.parameters()).device
-        self.nfe = 0
-        self.tokens_in = 0
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        #: where inputs and the decoders' tensors live (the embedding's device: the first shard with device_map)
+        self.device = embed.weight.device if embed is not None else next(model.parameters()).device
+        self.nfe = 0  # forward calls
+        self.tokens_in = 0  # tokens fed (batch x length, summed over forwards)
+        self.logits_rows = 0  # rows that went through the output head (batch x rows read, summed)
+        #: with ``time_forwards``, every forward synchronises before and after itself and adds its wall
+        #: time to ``forward_s`` (``refusion profile``); off for decoding, where it would cost two syncs
+        self.time_forwards = False
+        self.forward_s = 0.0
+        self._finite = torch.ones((), dtype=torch.bool, device=self.device)
 
     @property
     def mask_id(self) -> int:
@@ -102,16 +117,22 @@ class Backbone:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
-        trust_remote_code: bool = False, family: str | None = None,
+        cls, name_or_path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | str | None = None,
+        trust_remote_code: bool = False, family: str | None = None, attn_implementation: str | None = None,
+        device_map: str | dict | None = None,
     ) -> "Backbone":
         """Load a local folder / shipped checkpoint; its family (detected from ``config.json``, or ``family``)
-        decides attention, mask id, logits shift and EOS ids (:mod:`refusion.models.families`)."""
+        decides attention, mask id, logits shift and EOS ids (:mod:`refusion.models.families`). ``dtype``,
+        ``attn_implementation`` and ``device_map`` default as :class:`~refusion.models.loading.Runtime`
+        says (bfloat16 on CUDA, float32 on CPU; sdpa) and are checked there with errors naming the option."""
         from refusion.models import families
+        from refusion.models.loading import Runtime
 
+        runtime = Runtime.resolve(device=device, dtype=dtype, attn_implementation=attn_implementation,
+                                  device_map=device_map)
         path = resolve_model_path(name_or_path)
         fam = families.resolve_family(path, family)
-        model, tokenizer = families.load_model(path, fam, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        model, tokenizer = families.load_model(path, fam, runtime=runtime, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, **families.backbone_kwargs(fam, model, tokenizer))
 
     # ------------------------------------------------------------------ checks
@@ -132,46 +153,86 @@ class Backbone:
 
     @torch.no_grad()
     def forward(
-        self, ids: Tensor, pos: Tensor, cache: DynamicCache | None, keep_kv: bool = True, attn_mask: Tensor | None = None
-    ) -> Tensor:
-        """Logits ``[B, T, V]`` (float32, on the CPU) of ``ids [B, T]`` at positions ``pos [B, T]`` after ``cache``.
+        self, ids: Tensor, pos: Tensor, cache: DynamicCache | None, keep_kv: bool = True,
+        attn_mask: Tensor | None = None, logits_at: LogitsAt = ALL_ROWS,
+    ) -> Tensor | None:
+        """Logits ``[B, n, V]`` (float32, on ``self.device``) of ``ids [B, T]`` at positions ``pos [B, T]``
+        after ``cache``, for the ``n`` fed positions ``logits_at`` names: a slice (``ALL_ROWS`` = every
+        one), a 1-D index tensor, or ``None`` for no logits at all (a prefill), which returns None.
 
-        The inputs may live anywhere; the model and the cache stay on ``self.device``. Logits come back on
-        the CPU, where every decoder keeps its bookkeeping and its seeded ``torch.Generator``: one
-        device-to-host copy per forward (the finiteness check below synchronises anyway).
+        Only those rows go through the output head (``logits_to_keep``), so a decoder that reads a few
+        rows never pays for a full-vocabulary head over every fed token; only they are cast to float32,
+        scanned for non-finite values (a device-side flag, raised by :meth:`check_finite` at the end of a
+        decode, so the scan costs no synchronisation) and have the [MASK] logit set to the lowest float.
 
         With ``keep_kv`` the new tokens' KV stays in ``cache`` (appended after its current length);
-        without, the cache is cropped back to its length before the call. ``attn_mask``: a 4D float additive
-        mask ``[B, 1, T, cached + T]`` (0 = attend, finfo(model dtype).min = blocked) used instead of the
-        causal default, for bidirectional / block-causal models.
+        without, the cache is cropped back to its length before the call. ``attn_mask``: a 4D float
+        additive mask ``[B, 1, T, cached + T]`` (0 = attend, finfo(model dtype).min = blocked) used
+        instead of the causal default, for bidirectional / block-causal models.
         """
         if ids.dim() == 1:
             ids, pos = ids[None], pos[None]
-        ids = ids.to(self.device)
-        pos = pos.to(self.device)
+        ids = ids.to(self.device, non_blocking=True)
+        pos = pos.to(self.device, non_blocking=True)
         past = self.cache_len(cache) if cache is not None else 0
+        T = ids.shape[1]
         if attn_mask is not None:
-            if attn_mask.dim() != 4 or tuple(attn_mask.shape[-2:]) != (ids.shape[1], past + ids.shape[1]):
-                raise ValueError(f"attn_mask must be [B, 1, {ids.shape[1]}, {past + ids.shape[1]}], got {tuple(attn_mask.shape)}")
-            mask = attn_mask.to(self.device)
-        else:
-            mask = torch.ones(ids.shape[0], past + ids.shape[1], dtype=torch.long, device=self.device)
+            if attn_mask.dim() != 4 or tuple(attn_mask.shape[-2:]) != (T, past + T):
+                raise ValueError(f"attn_mask must be [B, 1, {T}, {past + T}], got {tuple(attn_mask.shape)}")
+            mask = attn_mask.to(self.device, non_blocking=True)
+        elif cache is None:  # without a cache, non-monotone position ids need a mask (else: packed sequences)
+            mask = torch.ones(ids.shape[0], T, dtype=torch.long, device=self.device)
+        else:  # causal over the cache; no 2D all-ones mask, whose check inside the model would synchronise
+            mask = None
+        rows = self._rows(logits_at, T)
+        if self.time_forwards:
+            self.synchronize()
+            t0 = time.perf_counter()
         out = self.model(
-            input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None
+            input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
+            logits_to_keep=rows,
         )
         self.nfe += 1
         self.tokens_in += ids.numel()
         if cache is not None and not keep_kv:
             self.crop(cache, past)
-        logits = out.logits.float().cpu()  # a no-op on the CPU
-        if not torch.isfinite(logits).all():
+        logits = None
+        if logits_at is not None:
+            logits = out.logits
+            n = rows.numel() if isinstance(rows, Tensor) else (T if rows == 0 else rows)
+            if logits.shape[1] != n:  # a model that ignores logits_to_keep (remote-code adapters)
+                logits = logits[:, rows] if isinstance(rows, Tensor) else logits[:, T - n :]
+            logits = logits.float()
+            self.logits_rows += logits.shape[0] * logits.shape[1]
+            self._finite = self._finite & torch.isfinite(logits).all()
+            if self._mask_id is not None:
+                logits[..., self._mask_id] = torch.finfo(logits.dtype).min  # [MASK] is never a token to generate
+        if self.time_forwards:
+            self.synchronize()
+            self.forward_s += time.perf_counter() - t0
+        return logits
+
+    def _rows(self, logits_at: LogitsAt, T: int) -> int | Tensor:
+        """``logits_to_keep`` for ``logits_at`` over ``T`` fed positions: an int n (the last n; 0 = all) or
+        a 1-D index tensor on the device (empty for no logits)."""
+        if logits_at is None:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        if isinstance(logits_at, Tensor):
+            return logits_at.to(self.device, non_blocking=True)
+        start, stop, step = logits_at.indices(T)
+        if step == 1 and stop == T:
+            return 0 if start == 0 else T - start
+        return torch.arange(start, stop, step, device=self.device)
+
+    def check_finite(self) -> None:
+        """Raise :class:`NonFiniteLogitsError` if any logits row read since the last call held NaN or inf.
+        One synchronisation; :meth:`Decoder.generate` calls it once per decode."""
+        if not host.to_host(self._finite)[0]:
+            self._finite = torch.ones((), dtype=torch.bool, device=self.device)
             raise NonFiniteLogitsError(
-                f"forward {self.nfe} produced NaN/inf logits (dtype {self.model.dtype}); check the checkpoint "
+                f"a forward produced NaN/inf logits (dtype {self.model.dtype}); check the checkpoint "
                 "and try --dtype float32"
             )
-        if self._mask_id is not None:
-            logits[..., self._mask_id] = torch.finfo(logits.dtype).min  # [MASK] is never a token to generate
-        return logits
 
     # ------------------------------------------------------------ cache ops
     @staticmethod

@@ -32,7 +32,7 @@ class KVRecompute(CacheManager):
         ids = torch.tensor([t for row in tokens for t in row])
         pos = torch.tensor([p for row in positions for p in row])
         if ids.numel():
-            backbone.forward(ids[None], pos[None], rows, keep_kv=True)
+            backbone.forward(ids[None], pos[None], rows, keep_kv=True, logits_at=None)
         return rows
 
 

@@ -16,6 +16,7 @@ from pydantic import Field
 from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
+from refusion.core.host import to_host
 from refusion.core.interfaces import Options, Remasker
 
 
@@ -30,10 +31,10 @@ class SubSlotRemasker(Remasker):
         min_keep: int = Field(1, ge=1, description="always keep at least this many tokens of a slot")
 
     def keep(self, confidence: Tensor, lengths: list[int]) -> list[int]:
+        (low_rows,) = to_host(confidence < self.options.threshold)  # [S][k]: one host read
         out = []
-        for row, n in zip(confidence, lengths):
-            low = (row[:n] < self.options.threshold).nonzero().flatten().tolist()
-            cut = next((j for j in low if j >= self.options.min_keep), n)
+        for low, n in zip(low_rows, lengths):
+            cut = next((j for j in range(self.options.min_keep, n) if low[j]), n)
             out.append(min(n, max(cut, 1)))
         return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
@@ -27,19 +28,19 @@ class ThresholdSelector(Selector):
         fallback: Literal["best", "leftmost"] = Field(
             "best", description="if no slot passes: the best-scoring one (the reference) or the leftmost one")
 
-    def select(self, scores: Tensor) -> list[int]:
-        chosen = (scores > self.options.slot_threshold).nonzero().flatten().tolist()
-        if chosen:
-            return chosen
-        return [int(scores.argmax())] if self.options.fallback == "best" else [0]
+    def select(self, scores: Tensor) -> Tensor:
+        passed = scores > self.options.slot_threshold  # [S]
+        index = torch.arange(len(scores), device=scores.device)
+        fallback = index == (scores.argmax() if self.options.fallback == "best" else 0)  # one-hot, no host read
+        return torch.where(passed.any(), passed, fallback)
 
 
 class LeftToRightSelector(Selector):
     class Options(Options):
         n: int = Field(1, ge=1, description="number of leftmost slots to choose")
 
-    def select(self, scores: Tensor) -> list[int]:
-        return list(range(min(self.options.n, len(scores))))
+    def select(self, scores: Tensor) -> Tensor:
+        return torch.arange(len(scores), device=scores.device) < self.options.n
 
 
 @hookimpl

@@ -21,6 +21,7 @@ Rules (``c_1 >= c_2 >= ...`` are the sorted scores):
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
@@ -31,17 +32,28 @@ from refusion.core.interfaces import Options, Selector
 class TokenSelector(Selector):
     """A selector over per-token scores that may use the step's budget and may choose nothing."""
 
-    def select(self, scores: Tensor, budget: int | None = None, at_least_one: bool = True) -> list[int]:
-        """``scores [n]`` -> chosen indices, ascending; non-empty when ``at_least_one`` (and n > 0)."""
-        if scores.numel() == 0:
-            return []
-        chosen = self._choose(scores, budget)
-        if not chosen and at_least_one:
-            chosen = [int(scores.argmax())]
-        return sorted(chosen)
+    def select(self, scores: Tensor, budget: int | None = None, at_least_one: bool = True,
+               eligible: Tensor | None = None) -> Tensor:
+        """``scores [n]`` -> ``[n]`` bool, True at the chosen positions; only ``eligible [n]`` ones (None: all)
+        are chosen, and at least one when ``at_least_one`` and any is eligible. On the scores' device,
+        without reading values on the host; ties go to the leftmost position."""
+        if eligible is None:
+            eligible = torch.ones_like(scores, dtype=torch.bool)
+        ranked = torch.where(eligible, scores, -torch.inf)  # ineligible positions rank last and pass no rule
+        chosen = self._choose(ranked, budget) & eligible
+        if at_least_one and scores.numel():
+            best = torch.arange(scores.numel(), device=scores.device) == ranked.argmax()  # first maximum
+            chosen = torch.where(chosen.any(), chosen, best & eligible)
+        return chosen
 
-    def _choose(self, scores: Tensor, budget: int | None) -> list[int]:
+    def _choose(self, scores: Tensor, budget: int | None) -> Tensor:
         raise NotImplementedError
+
+
+def top_n(scores: Tensor, n: int) -> Tensor:
+    """``[n]`` bool mask of the ``n`` best scores (ties: the leftmost first)."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return torch.zeros_like(scores, dtype=torch.bool).index_fill_(0, order[: min(n, scores.numel())], True)
 
 
 class TopkPerStep(TokenSelector):
@@ -49,8 +61,7 @@ class TopkPerStep(TokenSelector):
         k: int | None = Field(None, ge=1, description="tokens per step; None = the decoder's schedule (else 1)")
 
     def _choose(self, scores, budget):
-        n = self.options.k or budget or 1
-        return scores.topk(min(n, scores.numel())).indices.tolist()
+        return top_n(scores, self.options.k or budget or 1)
 
 
 class ConfidenceThreshold(TokenSelector):
@@ -58,7 +69,7 @@ class ConfidenceThreshold(TokenSelector):
         threshold: float = Field(0.9, ge=0.0, le=1.0, description="commit every token scoring >= this")
 
     def _choose(self, scores, budget):
-        return (scores >= self.options.threshold).nonzero().flatten().tolist()
+        return scores >= self.options.threshold
 
 
 class FactorSelector(TokenSelector):
@@ -66,11 +77,11 @@ class FactorSelector(TokenSelector):
         factor: float = Field(1.0, gt=0.0, description="n tokens pass when the n-th best score >= 1 - factor/(n+1)")
 
     def _choose(self, scores, budget):
-        ranked = scores.sort(descending=True)
-        n = 0  # ranked.values[n] is the (n+1)-th best: it passes at 1 - factor / (n + 2)
-        while n < scores.numel() and float(ranked.values[n]) >= 1.0 - self.options.factor / (n + 2):
-            n += 1
-        return ranked.indices[:n].tolist()
+        ranked = torch.sort(scores, descending=True, stable=True)
+        rank = torch.arange(scores.numel(), device=scores.device)  # ranked.values[i] is the (i+1)-th best
+        passes = ranked.values.double() >= 1.0 - self.options.factor / (rank + 2).double()
+        n = torch.cumprod(passes.int(), 0).sum()  # [] leading run of passing ranks
+        return torch.zeros_like(scores, dtype=torch.bool).index_put_((ranked.indices,), rank < n)
 
 
 @hookimpl

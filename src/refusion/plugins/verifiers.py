@@ -30,8 +30,8 @@ class PrefixVerifier(Verifier):
         passed = (ar_probs > self.options.token_threshold) | ~valid  # [S, k]; padding never blocks the run
         passed[:, 0] = True  # first token of each slot keeps its Stage-I prob and is accepted
         run = torch.cumprod(passed.flatten().int(), 0).view_as(passed).bool()  # [S, k] inside the prefix
-        accepted = int(torch.cumprod(run.all(dim=1).int(), 0).sum())
-        return Verdict(passed=passed & valid, prefix_len=int((run & valid).sum()), accepted_slots=accepted)
+        accepted = torch.cumprod(run.all(dim=1).int(), 0).sum()  # []
+        return Verdict(passed=passed & valid, prefix_len=(run & valid).sum(), accepted_slots=accepted)
 
     def extend(self, ar_probs: Tensor, verified: Tensor) -> Tensor:
         predecessor = torch.nn.functional.pad(verified, (1, 0), value=True)[:, :-1]  # [S, m]

@@ -1,0 +1,33 @@
+"""Probabilities of chosen tokens without a full-vocabulary softmax.
+
+A decoder needs the probability of one token per row (the drafted token, the token a causal forward
+verifies), never the whole distribution. ``p = exp(logit[token] - logsumexp(logits))`` reads the
+vocabulary once (the logsumexp reduction) and writes nothing of its size, where ``softmax().gather()``
+writes a ``[..., V]`` tensor first. All in float32 on the logits' device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def token_probs(logits: Tensor, tokens: Tensor, log_norm: Tensor | None = None) -> Tensor:
+    """``logits [..., V]``, ``tokens [...]`` -> ``softmax(logits)[tokens]`` ``[...]`` float32.
+    ``log_norm [...]``: the rows' ``logsumexp`` if the caller has it already."""
+    logits = logits.float()
+    if log_norm is None:
+        log_norm = logits.logsumexp(dim=-1)
+    return (logits.gather(-1, tokens[..., None]).squeeze(-1) - log_norm).exp()
+
+
+def next_token_probs(logits: Tensor, tokens: Tensor, log_norm: Tensor | None = None) -> Tensor:
+    """Causal probability of each token given the logits of its predecessor.
+
+    ``logits [..., m-1, V]`` at real tokens ``0 .. m-2`` (each predicts the next token; the last token's
+    logits are not needed), ``tokens [..., m]`` -> ``[..., m]`` where entry j is
+    ``softmax(logits[j-1])[tokens[j]]``; entry 0 has no predecessor in the span and is 1.0 (callers force
+    or ignore it). ``log_norm [..., m-1]``: the rows' logsumexp, if the caller has it already.
+    """
+    probs = token_probs(logits[..., : tokens.shape[-1] - 1, :], tokens[..., 1:], log_norm)
+    return torch.cat([torch.ones(tokens[..., :1].shape, dtype=probs.dtype, device=probs.device), probs], dim=-1)
