@@ -72,3 +72,59 @@ def ban_token(model, token: int):
 def chosen(mask: torch.Tensor) -> list[int]:
     """Indices where a selector's ``[n]`` bool mask is True."""
     return mask.nonzero().flatten().tolist()
+
+
+class StrayReads:
+    """Counts tensor-to-Python conversions (the points where a GPU would synchronise) made outside the
+    model's forward and outside :func:`refusion.core.host.to_host`; ``where`` lists each one's caller."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+    def __init__(self, model) -> None:
+        self.model, self.where, self._inside = model, [], 0
+
+    def __enter__(self) -> "StrayReads":
+        import sys
+
+        self._saved = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+        self._saved_getitem = torch.Tensor.__getitem__
+        model_forward = self.model.forward
+
+        def inside_model(*args, **kwargs):
+            self._inside += 1
+            try:
+                return model_forward(*args, **kwargs)
+            finally:
+                self._inside -= 1
+
+        self.model.forward = inside_model
+
+        def note(name):
+            caller = sys._getframe(2)
+            if not self._inside and caller.f_globals.get("__name__") != "refusion.core.host":
+                self.where.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+
+        def wrap(name, original):
+            def patched(t, *args, **kwargs):
+                note(name)
+                return original(t, *args, **kwargs)
+            return patched
+
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, wrap(name, original))
+        getitem = self._saved_getitem
+
+        def patched_getitem(t, index):
+            items = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                note("boolean-mask indexing")
+            return getitem(t, index)
+
+        torch.Tensor.__getitem__ = patched_getitem
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        torch.Tensor.__getitem__ = self._saved_getitem
+        del self.model.forward

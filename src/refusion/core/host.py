@@ -6,6 +6,8 @@ and caches on the model's device and read values only where Python control flow 
 many slots were chosen, how long the accepted prefix is, whether a row has finished). Each such read
 goes through :func:`to_host`, which moves several tensors in ONE transfer and counts it, so the number
 of synchronisations per iteration is a documented, tested property of each decoder (docs/decoders.md).
+The other direction, host values into device tensors, goes through :func:`from_host`, which does not
+wait for the device.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def to_host(*tensors: Tensor) -> list:
             part = [int(v) for v in part]
         out.append(part[0] if t.dim() == 0 else _reshape(part, list(t.shape)))
     return out
+
+
+def from_host(values, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """A tensor of host ``values`` (a list or nested list) on ``device``, copied without waiting for the
+    device's queue (``torch.tensor(values, device=cuda)`` would synchronise the stream after its copy)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _reshape(values: list, shape: list[int]) -> list:

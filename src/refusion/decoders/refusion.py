@@ -46,7 +46,7 @@ from torch import Tensor
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
-from refusion.core.host import to_host
+from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions
 from refusion.core.probs import next_token_probs
 from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
@@ -109,9 +109,9 @@ def pad_slots(values: Tensor, sizes: list[int], fill: float | int = 0) -> tuple[
         valid = torch.ones(S, k_max, dtype=torch.bool, device=values.device)
         return values.view(S, k_max, *values.shape[1:]), valid
     offsets = [sum(sizes[:s]) for s in range(S)]
-    index = torch.tensor([[offsets[s] + min(j, sizes[s] - 1) for j in range(k_max)] for s in range(S)],
-                         device=values.device)  # [S, k_max]; padding repeats the slot's last entry
-    valid = torch.arange(k_max, device=values.device)[None, :] < torch.tensor(sizes, device=values.device)[:, None]
+    index = from_host([[offsets[s] + min(j, sizes[s] - 1) for j in range(k_max)] for s in range(S)],
+                      values.device)  # [S, k_max]; padding repeats the slot's last entry
+    valid = torch.arange(k_max, device=values.device)[None, :] < from_host(sizes, values.device)[:, None]
     out = values[index]
     fill_mask = ~valid.view(S, k_max, *([1] * (values.dim() - 1)))
     return out.masked_fill(fill_mask, fill), valid
@@ -128,7 +128,7 @@ class RefusionDecoder(Decoder):
         P = len(prompt_ids)
         bb.check_length(P, o.padded_length)
         st = DecodeState(ids=list(prompt_ids), pos=list(range(P)), prompt_len=P)
-        self._eos = torch.tensor(sorted(bb.eos_ids), device=bb.device)
+        self._eos = from_host(sorted(bb.eos_ids), bb.device)
         block_len = o.padded_length // o.serial_blocks
         cache = None
         trace: list[IterationTrace] = []
@@ -159,7 +159,7 @@ class RefusionDecoder(Decoder):
             block=block, stage="II-a", scored=[(s.start, x) for s, x in zip(drafted, score_values)],
             chosen=[s.start for s in chosen], accepted=[], forwards=0, fused=fused,
         )
-        row_index = torch.tensor(rows, device=self.backbone.device)
+        row_index = from_host(rows, self.backbone.device)
         draft_ids, draft_probs = proposal.token_ids[row_index], proposal.probs[row_index]  # [S, k_max]
         if self.options.split_threshold is not None:
             chosen = self._split(st, chosen, draft_probs, trace)
@@ -195,9 +195,9 @@ class RefusionDecoder(Decoder):
     def _stage_two_a(self, st, cache, trace, chosen, draft_ids, draft_probs):
         """One causal forward of the chosen drafts concatenated in position order; accept the verified
         prefix's whole slots (or up to an EOS in it), else hand every chosen slot to Stage II-b."""
-        bb, o = self.backbone, self.options
+        bb = self.backbone
         base, sizes, width = len(st.ids), [s.size for s in chosen], draft_ids.shape[1]
-        real = torch.tensor(grid_index(sizes, width), device=bb.device)  # [n] real drafts in the [S, k_max] grid
+        real = from_host(grid_index(sizes, width), bb.device)  # [n] real drafts in the [S, k_max] grid
         valid = torch.zeros(len(chosen) * width, dtype=torch.bool, device=bb.device).index_fill_(0, real, True)
         valid = valid.view(len(chosen), width)  # [S, k_max]
         flat_ids = draft_ids.reshape(-1)[real]  # [n] slot after slot
@@ -242,7 +242,7 @@ class RefusionDecoder(Decoder):
         trace.stage = "II-b"
         bb.repeat_rows(cache, S)
         filled = drafts.clone()  # [S, k] tokens of every row, verified or not
-        positions = torch.tensor([[s.start + j for j in range(k)] for s in chosen], device=bb.device)  # [S, k]
+        positions = from_host([[s.start + j for j in range(k)] for s in chosen], bb.device)  # [S, k]
         verified = torch.cumprod(passed.int(), dim=-1).bool() | ~valid  # [S, k] (padding counts as done)
         confidence = torch.where(verified, ar_probs, 0.0)  # [S, k] probability each token was accepted with
         confidence[:, 0] = draft_probs[:, 0]
@@ -369,7 +369,7 @@ class RefusionDecoder(Decoder):
                 joined.append(Slot(s.start, s.size))
         if len(joined) == len(chosen):
             return chosen, valid, list(grids)
-        real = torch.tensor(grid_index([s.size for s in chosen], valid.shape[1]), device=valid.device)
+        real = from_host(grid_index([s.size for s in chosen], valid.shape[1]), valid.device)
         sizes = [s.size for s in joined]
         regrouped = [pad_slots(g.reshape(-1)[real], sizes)[0] for g in grids]  # the real entries, slot after slot
         return joined, pad_slots(valid.reshape(-1)[real], sizes)[1], regrouped

@@ -269,7 +269,7 @@ class Backbone:
     @staticmethod
     def select(cache: DynamicCache, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), in place."""
-        cache.batch_select_indices(torch.tensor(rows, device=cache.layers[0].keys.device))
+        cache.batch_select_indices(host.from_host(rows, cache.layers[0].keys.device))
 
     @staticmethod
     def drop_span(cache: DynamicCache, start: int, end: int) -> None:

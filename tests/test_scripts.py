@@ -1,0 +1,49 @@
+"""The scripts under scripts/ that CI can run: the GPU bench's CPU smoke run and the decode comparison."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(name: str, *args: str) -> int:
+    saved = sys.argv
+    sys.argv = [name, *args]
+    try:
+        runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def test_gpu_bench_runs_on_cpu_with_a_tiny_shape(tmp_path):
+    assert run_script("gpu_bench.py", "--device", "cpu", "--dtype", "float32", "--shape", "tiny",
+                      "--prompts", "1", "--gen-length", "16", "--out", str(tmp_path)) == 0
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    assert [r["decoder"] for r in rows] == ["ar", "refusion"]
+    for r in rows:
+        assert r["forwards"] > 0 and 0.0 <= r["share_outside_forwards"] < 1.0 and r["host_reads_per_iteration"] >= 1
+
+
+def write_samples(folder: Path, token_ids: list[list[int]], nfe: list[int]) -> None:
+    (folder / "bench").mkdir(parents=True)
+    rows = [{"run": "refusion", "task": "arith", "idx": i, "token_ids": t, "nfe": n, "correct": True,
+             "completion": "x"} for i, (t, n) in enumerate(zip(token_ids, nfe))]
+    (folder / "bench" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("after, differs", [(([[1, 2, 3], [4, 5]], [3, 2]), False), (([[1, 2, 3], [4, 6]], [3, 2]), True),
+                                            (([[1, 2, 3], [4, 5]], [3, 3]), True)])
+def test_compare_decodes_reports_any_difference(tmp_path, capsys, after, differs):
+    write_samples(tmp_path / "a", [[1, 2, 3], [4, 5]], [3, 2])
+    write_samples(tmp_path / "b", *after)
+    assert run_script("compare_decodes.py", str(tmp_path / "a"), str(tmp_path / "b")) == int(differs)
+    assert ("1 differ" if differs else "0 differ") in capsys.readouterr().out
