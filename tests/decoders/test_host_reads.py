@@ -17,7 +17,8 @@ REFERENCE = {"decoder": "refusion", "slot_size": 8, "selector": {"name": "thresh
 VARIANTS = {
     "reference": {},
     "fused + window": {"fused": True, "draft_window": 3},
-    "split + sub_slot": {"split_threshold": 0.6, "remasker": {"name": "sub_slot", "threshold": 0.5}},
+    "split + sub_slot": {"split_threshold": 0.6, "remasker": {"name": "sub_slot", "threshold": 0.5},
+                         "verifier": {"name": "prefix", "token_threshold": 0.999}},
     "kv_recompute": {"cache": "kv_recompute", "selector": {"name": "threshold", "slot_threshold": 0.3}},
 }
 
