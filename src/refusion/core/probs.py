@@ -12,12 +12,26 @@ import torch
 from torch import Tensor
 
 
+CPU_CHUNK_ELEMENTS = 1 << 21  # 8 MB of float32: a reduction's temporaries stay in reused heap memory
+
+
+def row_logsumexp(logits: Tensor) -> Tensor:
+    """``logits [..., V]`` -> ``logsumexp`` over the vocabulary ``[...]``. On the CPU in chunks of rows, so the
+    temporaries are small enough to be reused instead of freshly mapped (and page-faulted) on every call:
+    at a 151,936-row vocabulary that halves its time on one core. Each row is reduced as in one call."""
+    if logits.device.type != "cpu" or logits.numel() <= CPU_CHUNK_ELEMENTS:
+        return logits.logsumexp(dim=-1)
+    rows = logits.reshape(-1, logits.shape[-1])
+    step = max(1, CPU_CHUNK_ELEMENTS // logits.shape[-1])
+    return torch.cat([chunk.logsumexp(dim=-1) for chunk in rows.split(step)]).view(logits.shape[:-1])
+
+
 def token_probs(logits: Tensor, tokens: Tensor, log_norm: Tensor | None = None) -> Tensor:
     """``logits [..., V]``, ``tokens [...]`` -> ``softmax(logits)[tokens]`` ``[...]`` float32.
-    ``log_norm [...]``: the rows' ``logsumexp`` if the caller has it already."""
+    ``log_norm [...]``: the rows' :func:`row_logsumexp` if the caller has it already."""
     logits = logits.float()
     if log_norm is None:
-        log_norm = logits.logsumexp(dim=-1)
+        log_norm = row_logsumexp(logits)
     return (logits.gather(-1, tokens[..., None]).squeeze(-1) - log_norm).exp()
 
 
@@ -27,7 +41,7 @@ def next_token_probs(logits: Tensor, tokens: Tensor, log_norm: Tensor | None = N
     ``logits [..., m-1, V]`` at real tokens ``0 .. m-2`` (each predicts the next token; the last token's
     logits are not needed), ``tokens [..., m]`` -> ``[..., m]`` where entry j is
     ``softmax(logits[j-1])[tokens[j]]``; entry 0 has no predecessor in the span and is 1.0 (callers force
-    or ignore it). ``log_norm [..., m-1]``: the rows' logsumexp, if the caller has it already.
+    or ignore it). ``log_norm [..., m-1]``: the rows' :func:`row_logsumexp`, if the caller has it already.
     """
     probs = token_probs(logits[..., : tokens.shape[-1] - 1, :], tokens[..., 1:], log_norm)
     return torch.cat([torch.ones(tokens[..., :1].shape, dtype=probs.dtype, device=probs.device), probs], dim=-1)

@@ -48,7 +48,7 @@ from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions
-from refusion.core.probs import next_token_probs
+from refusion.core.probs import next_token_probs, row_logsumexp
 from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
 from refusion.decoders.common import cut_after_eos
 from refusion.models.backend import ALL_ROWS
@@ -258,12 +258,12 @@ class RefusionDecoder(Decoder):
                                    logits_at=slice(1, None)).argmax(-1)  # [S, m-1]
             window[:, 1:] = torch.where(before[:, 1:], window[:, 1:], predicted)
             logits = bb.forward(window, positions[:, kept:], cache, logits_at=slice(0, m - 1))  # [S, m-1, V]
-            log_norm = logits.logsumexp(-1)
-            probs = next_token_probs(logits, window, log_norm)  # [S, m]
+            norm = row_logsumexp(logits)  # [S, m-1]
+            probs = next_token_probs(logits, window, norm)  # [S, m]
             after = self.parts["verifier"].extend(probs, before) | ~valid[:, kept:]
             if self.options.correct:
                 after = self._correct(window, logits, before, after, valid[:, kept:])
-                probs = next_token_probs(logits, window, log_norm)  # a corrected token's own AR prob
+                probs = next_token_probs(logits, window, norm)  # a corrected token's own AR prob
             confidence[:, kept:] = torch.where(after & ~before, probs, confidence[:, kept:])
             verified[:, kept:] = after
             first_eos, gain, finished, tokens = self._round_status(filled, verified, valid, kept)

@@ -95,8 +95,8 @@ class Backbone:
         self.nfe = 0  # forward calls
         self.tokens_in = 0  # tokens fed (batch x length, summed over forwards)
         self.logits_rows = 0  # rows that went through the output head (batch x rows read, summed)
-        #: with ``time_forwards``, every forward synchronises before and after itself and adds its wall
-        #: time to ``forward_s`` (``refusion profile``); off for decoding, where it would cost two syncs
+        #: with ``time_forwards``, every forward synchronises before and after the model call and adds its
+        #: wall time to ``forward_s`` (``refusion profile``); off for decoding, where it would cost two syncs
         self.time_forwards = False
         self.forward_s = 0.0
         self._finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -192,6 +192,9 @@ class Backbone:
             input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
             logits_to_keep=rows,
         )
+        if self.time_forwards:
+            self.synchronize()
+            self.forward_s += time.perf_counter() - t0
         self.nfe += 1
         self.tokens_in += ids.numel()
         if cache is not None and not keep_kv:
@@ -204,12 +207,10 @@ class Backbone:
                 logits = logits[:, rows] if isinstance(rows, Tensor) else logits[:, T - n :]
             logits = logits.float()
             self.logits_rows += logits.shape[0] * logits.shape[1]
-            self._finite = self._finite & torch.isfinite(logits).all()
+            # one reduction: any NaN or inf makes the sum non-finite (bounded logits cannot overflow it)
+            self._finite = self._finite & torch.isfinite(logits.sum())
             if self._mask_id is not None:
                 logits[..., self._mask_id] = torch.finfo(logits.dtype).min  # [MASK] is never a token to generate
-        if self.time_forwards:
-            self.synchronize()
-            self.forward_s += time.perf_counter() - t0
         return logits
 
     def _rows(self, logits_at: LogitsAt, T: int) -> int | Tensor:
