@@ -141,3 +141,26 @@ def test_save_load_round_trip_and_incomplete_folder(tmp_path, backbone):
         load_pretrained(tmp_path / "m")
     with pytest.raises(CheckpointError, match="neither a local folder nor a shipped checkpoint"):
         load_pretrained(tmp_path / "nope")
+
+
+def test_logits_only_at_the_rows_read(backbone):
+    """``logits_at`` computes exactly those rows (equal to the full forward's), a prefill computes none,
+    and ``logits_rows`` counts the rows that went through the output head."""
+    ids, pos = torch.tensor([5, 6, 7, 8, 9]), torch.arange(5)
+    full = backbone.forward(ids, pos, None)[0]  # [5, V]
+    backbone.logits_rows = 0
+    assert torch.allclose(backbone.forward(ids, pos, None, logits_at=slice(2, None))[0], full[2:], atol=1e-6)
+    assert torch.allclose(backbone.forward(ids, pos, None, logits_at=slice(0, 4))[0], full[:4], atol=1e-6)
+    index = torch.tensor([4, 0, 2])
+    assert torch.allclose(backbone.forward(ids, pos, None, logits_at=index)[0], full[index], atol=1e-6)
+    assert backbone.logits_rows == 3 + 4 + 3
+    cache = backbone.new_cache()
+    assert backbone.forward(ids, pos, cache, logits_at=None) is None  # a prefill: KV, no logits
+    assert backbone.logits_rows == 10 and backbone.cache_len(cache) == 5
+    step = backbone.forward(torch.tensor([10]), torch.tensor([5]), cache, logits_at=slice(-1, None))
+    assert step.shape == (1, 1, full.shape[-1]) and step.dtype == torch.float32
+    assert step[0, 0, backbone.mask_id] == torch.finfo(torch.float32).min  # [MASK] never generated
+
+
+def test_non_finite_rows_not_read_are_not_flagged(backbone):
+    """The finiteness flag looks at the rows read only; it is raised once, by ``check_finite``."""
