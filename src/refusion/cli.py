@@ -113,11 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from refusion.experiments.ablate import add_ablate_command
     from refusion.experiments.bench import add_bench_command
+    from refusion.experiments.profile import add_profile_command
     from refusion.experiments.results import add_results_command
     from refusion.eval.cli import add_eval_command
     from refusion.training.cli import add_train_command
 
     add_bench_command(sub)
+    add_profile_command(sub)
     add_ablate_command(sub)
     add_results_command(sub)
     add_train_command(sub)

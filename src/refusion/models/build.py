@@ -17,11 +17,15 @@ Config keys the rest of the project reads (all stored in ``config.json``):
 - ``refusion_attention``: ``"causal"`` | ``"bidirectional"`` | ``"block_causal"``: the attention the
   model was trained with (the trainer overwrites it with the objective's kind);
 - ``refusion_block_size``: block length of ``block_causal`` models (absent/None otherwise);
-- ``refusion_objective``: name of the last training objective (set by the trainer).
+- ``refusion_objective``: name of the last training objective (set by the trainer);
+- ``refusion_base_vocab_size``: on a stand-in made by :func:`widen_vocabulary`, the vocabulary it was
+  widened from (ids at or above it are the new, never-produced ones).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,3 +122,33 @@ def build_model(
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def widen_vocabulary(model_dir_or_name: str | os.PathLike, out_dir: str | os.PathLike,
+                     vocab_size: int = 151936) -> Path:
+    """Save to ``out_dir`` a copy of a checkpoint (folder or shipped name) whose vocabulary has
+    ``vocab_size`` rows: a stand-in with a real model's output-head and embedding size (151936: Qwen's).
+
+    The new rows of the input embedding and of the output head are zero (with tied embeddings they are one
+    tensor) and the tokenizer is unchanged, so it never produces the new ids; every other weight and
+    config key is kept, ``vocab_size`` is updated and ``refusion_base_vocab_size`` records the old size.
+    A new id's logit is 0, which takes probability mass from the real ids wherever their logits are
+    not far above 0 (``refusion profile`` puts them 40 under each row's top logit instead). Weights are
+    stored in bfloat16 (:func:`~refusion.models.loading.save_pretrained`)."""
+    from refusion.models.loading import load_pretrained, resolve_model_path, save_pretrained
+
+    model, tokenizer = load_pretrained(resolve_model_path(model_dir_or_name))
+    old = model.get_input_embeddings().weight.shape[0]
+    if vocab_size < old:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the model's vocabulary ({old} rows)")
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[old:] = 0
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.weight[old:] = 0
+            if getattr(head, "bias", None) is not None:
+                head.bias[old:] = 0
+    model.config.vocab_size = vocab_size
+    model.config.refusion_base_vocab_size = getattr(model.config, "refusion_base_vocab_size", None) or old
+    return save_pretrained(model, tokenizer, out_dir)
