@@ -11,8 +11,11 @@ from refusion.core.config import ConfigError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    """The runtime flags (``--device``, ``--dtype``, ``--attn-implementation``, ``--device-map``) and
+    ``--trust-remote-code``."""
+    from refusion.models.loading import add_runtime_args
+
+    add_runtime_args(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off by default)")
 
 
@@ -38,17 +41,16 @@ def decoder_config(decoder: str, config_file: str | None, overrides: list[str]) 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from refusion.core.config import build_decoder
     from refusion.models.backend import Backbone
+    from refusion.models.loading import runtime_from_args
 
     cfg = decoder_config(args.decoder, args.config, args.set)
     from refusion.core.config import validate_config
 
     validate_config(cfg)  # fail on a bad config before loading a model
     backbone = Backbone.from_pretrained(
-        args.model, device=args.device, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
+        args.model, **runtime_from_args(args).model_dump(), trust_remote_code=args.trust_remote_code
     )
     decoder = build_decoder(backbone, cfg)
     if not args.prompt:

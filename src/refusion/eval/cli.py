@@ -42,8 +42,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoder", default="", help="decoder name (instead of / consistent with the config's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a decoder option")
     p.add_argument("--family", help="model family (default: detected from config.json)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    from refusion.models.loading import add_runtime_args
+
+    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (LLaDA, Dream)")
     p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
@@ -95,9 +96,10 @@ def run_eval(args: argparse.Namespace) -> int:
     import lm_eval
 
     from refusion.eval.lm_eval_adapter import RefusionLM
+    from refusion.models.loading import runtime_from_args
 
     lm = RefusionLM(
-        pretrained=args.model, config=_decoder_config(args), device=args.device, dtype=args.dtype,
+        pretrained=args.model, config=_decoder_config(args), **runtime_from_args(args).model_dump(),
         trust_remote_code=args.trust_remote_code, family=args.family, gen_length_from=args.gen_length_from,
         warmup=args.warmup,
     )

@@ -14,7 +14,10 @@ Model arguments (``model_args``; the harness also passes ``batch_size``, ``max_b
   values never meet the harness's comma-splitting parser; ``decoder=`` names a decoder instead; any other
   keyword is a decoder option (``slot_size=32``) validated by that decoder; default decoder: the first
   one the model's family serves;
-- ``family``, ``trust_remote_code``, ``dtype`` (``float32`` | ``bfloat16`` | ``float16``), ``device``;
+- ``family``, ``trust_remote_code``; ``device`` (default: cuda when available), ``dtype`` (``float32`` |
+  ``bfloat16`` | ``float16``; default bfloat16 on CUDA, float32 on the CPU), ``attn_implementation``
+  (``sdpa`` | ``eager`` | ``flash_attention_2``), ``device_map`` (``auto``, ...: one process spread over
+  several GPUs; not with several processes), checked as :class:`~refusion.models.loading.Runtime` says;
 - ``gen_length_from``: ``task`` (default: a request's ``max_gen_toks`` is the decoder's ``gen_length``,
   the config's ``gen_length`` when the task gives none) or ``config`` (always the config's ``gen_length``:
   what the ReFusion reference evaluation did);
@@ -59,7 +62,6 @@ from refusion.core.config import ConfigError, build_decoder, load_config_file, v
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
 
 
@@ -99,7 +101,9 @@ class RefusionLM(LM):
         config: str | dict | None = None,
         decoder: str | None = None,
         device: str | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        attn_implementation: str | None = None,
+        device_map: str | dict | None = None,
         batch_size: int | str | None = 1,
         max_batch_size: int | None = None,
         trust_remote_code: bool = False,
@@ -114,13 +118,17 @@ class RefusionLM(LM):
         super().__init__()
         from refusion.models.backend import Backbone
         from refusion.models.families import get_family
+        from refusion.models.loading import Runtime
 
         if gen_length_from not in ("task", "config"):
             raise ConfigError(f"gen_length_from must be 'task' or 'config', got {gen_length_from!r}")
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         want = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if backbone is None:  # an unknown or unavailable option fails before joining a process group
+            Runtime.resolve(device=want, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map)
         self._rank, self._world_size, self._state = distributed_world(cpu=not want.startswith("cuda"))
+        if self._world_size > 1 and device_map is not None:
+            raise ConfigError(f"device_map={device_map!r} spreads one model over several devices; with "
+                              f"{self._world_size} processes each rank runs on its own GPU: drop device_map")
         if self._world_size > 1 and want.startswith("cuda"):
             want = f"cuda:{int(os.environ.get('LOCAL_RANK', self._rank))}"  # one GPU per rank
             torch.cuda.set_device(torch.device(want))
@@ -143,9 +151,11 @@ class RefusionLM(LM):
             if cfg.get("decoder"):
                 validate_config(cfg)  # fail on a bad config before loading a model
             backbone = Backbone.from_pretrained(
-                pretrained, device=str(self._device), dtype=DTYPES[dtype], trust_remote_code=bool(trust_remote_code),
-                family=family,
+                pretrained, device=str(self._device), dtype=dtype, attn_implementation=attn_implementation,
+                device_map=device_map, trust_remote_code=bool(trust_remote_code), family=family,
             )
+            if device_map is not None:
+                self._device = backbone.device  # where the inputs go: the embeddings' device
         self.backbone = backbone
         self.tokenizer = backbone.tokenizer
         fam = get_family(backbone.family) if backbone.family else None

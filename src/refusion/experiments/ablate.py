@@ -19,9 +19,12 @@ starts from the bench's per-task settings for its decoder (``configs/bench.yaml`
     plots:
       - {x: tpf, y: accuracy}              # one point per run, per task (connect: true joins each decoder's)
       - {x: selector.slot_threshold, y: accuracy}   # a line per task along a swept knob
+    runtime: {device: cuda, dtype: bfloat16}   # optional: device, dtype, attn_implementation, device_map
 
 ``bench_config`` (default ``configs/bench.yaml``) gives the models and per-task settings runs start from.
-A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder.
+A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder. ``runtime``
+(how every model loads: :class:`~refusion.models.loading.Runtime`) overrides the bench config's
+``runtime`` option by option, and the command-line flags override both.
 
 The evaluation engine is the bench's (``runner.py``): every finished sample is appended to
 ``OUT/samples.jsonl`` at once and ``--resume`` skips finished work. Writes ``results.json``,
@@ -40,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from refusion.core.config import ConfigError
 from refusion.experiments.bench import load_bench_config
 from refusion.experiments.runner import Run, evaluate, markdown_table, print_table, set_threads, summarize, write_json
+from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 
@@ -80,6 +84,9 @@ class AblationConfig(Strict):
     grid: GridSpec | None = None
     plots: list[PlotSpec] = []
     bench_config: str | None = None
+    runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
+                                    description="device, dtype, attn_implementation, device_map: over the bench "
+                                                "config's runtime, under the flags")
 
     @model_validator(mode="after")
     def _has_runs(self) -> "AblationConfig":
@@ -189,11 +196,14 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
 
 
 def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,
-                 device: str = "cpu") -> list[dict[str, Any]]:
+                 runtime: RuntimeOptions | None = None) -> list[dict[str, Any]]:
+    """Run one ablation; models load with the bench config's ``runtime:``, overridden by the ablation's,
+    overridden by ``runtime`` (the flags)."""
     cfg = load_ablation(config)
     runs = build_runs(cfg)
     limit = limit or cfg.limit
-    records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, device=device, desc=cfg.name)
+    options = load_bench_config(cfg.bench_config).runtime.override(cfg.runtime).override(runtime)
+    records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, runtime=options, desc=cfg.name)
     rows = summarize(records, runs, baseline=cfg.baseline)
     write_json(out / "results.json", rows)
     extra = list(cfg.grid.axes) if cfg.grid else []
@@ -211,7 +221,7 @@ def add_ablate_command(sub) -> None:
     p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
     p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
     p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
-    p.add_argument("--device", default="cpu")
+    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core; 1 beside another busy process)")
     p.set_defaults(func=cmd_ablate)
@@ -221,7 +231,7 @@ def cmd_ablate(a) -> int:
     set_threads(a.threads)
     cfg = load_ablation(a.config)
     out = Path(a.out or f"runs/ablate/{cfg.name}")
-    rows = run_ablation(a.config, out, a.resume, a.limit, a.device)
+    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a))
     print_table(rows, title=cfg.title or cfg.name, extra=list(cfg.grid.axes) if cfg.grid else [])
     print(f"wrote {out / 'results.json'}, {out / 'summary.md'} and plots in {out}")
     return 0

@@ -3,7 +3,9 @@
 Each decoder runs on its own model (``configs/bench.yaml``: refusion on tiny-refusion, ar on tiny-ar,
 llada on tiny-mdm, block on tiny-block) with per-task settings chosen on the validation split. The
 engine (``runner.py``) interleaves decoders per sample, records each sample as it finishes and resumes
-with ``--resume``. Writes ``results.json`` (one row per task x decoder, schema in docs/bench.md), prints
+with ``--resume``. The config's optional ``runtime:`` mapping (device, dtype, attn_implementation,
+device_map) says how models load; ``--device`` / ``--dtype`` / ``--attn-implementation`` / ``--device-map``
+override it option by option. Writes ``results.json`` (one row per task x decoder, schema in docs/bench.md), prints
 the table and plots accuracy against tokens/s per task (``bench.png`` / ``bench.svg``).
 """
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from refusion.core.config import ConfigError, apply_overrides
 from refusion.experiments.runner import Run, evaluate, print_table, set_threads, summarize, write_json
+from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "bench.yaml"
 GOAL_SPEEDUP, GOAL_POINTS = 2.0, 2.0  # the paper's claim: >= 2x AR's tokens/s, accuracy within 2 points of AR's
@@ -27,6 +30,8 @@ class BenchConfig(BaseModel):
     models: dict[str, str] = Field(description="decoder name -> model folder or shipped checkpoint")
     decoders: dict[str, dict[str, Any]] = Field(default_factory=dict, description="decoder -> shared settings")
     tasks: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict, description="task -> decoder -> overrides")
+    runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
+                                    description="device, dtype, attn_implementation, device_map (flags override)")
 
     def decoder_config(self, task: str, decoder: str, gen_length: int, overrides: list[str] = ()) -> dict[str, Any]:
         """The decoder's shared settings, then the task's overrides, then ``overrides`` (``key=value``)."""
@@ -152,10 +157,12 @@ def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, out: Path, split: str = "test",
               config: str | None = None, overrides: list[str] = (), resume: bool = False,
-              device: str = "cpu", models: list[str] = ()) -> list[dict[str, Any]]:
+              runtime: RuntimeOptions | None = None, models: list[str] = ()) -> list[dict[str, Any]]:
+    """Run the bench; models load with the config's ``runtime:`` overridden by ``runtime`` (the flags)."""
     cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides)
-    records = evaluate(runs, tasks, split, limit, out, resume=resume, device=device, desc="bench")
+    records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=cfg.runtime.override(runtime),
+                       desc="bench")
     rows = summarize(records, runs, baseline="ar")
     for r in rows:  # results.json schema: `decoder` names the row; `speedup_vs_ar` as documented
         r["speedup_vs_ar"] = r.pop("speedup")
@@ -176,7 +183,7 @@ def add_bench_command(sub) -> None:
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
-    p.add_argument("--device", default="cpu")
+    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core; 1 beside another busy process)")
     p.set_defaults(func=cmd_bench)
@@ -186,7 +193,7 @@ def cmd_bench(a) -> int:
     set_threads(a.threads)
     out = Path(a.out)
     rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
-                     a.limit or None, out, a.split, a.config, a.set, a.resume, a.device, a.model)
+                     a.limit or None, out, a.split, a.config, a.set, a.resume, runtime_from_args(a), a.model)
     for r in rows:
         r["speedup"] = r["speedup_vs_ar"]
     print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task)")

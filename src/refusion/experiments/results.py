@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from refusion.core.machine import machine
 from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, plot, run_ablation
+from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
          "variants")
@@ -320,14 +321,16 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
     return text
 
 
-def ablation_command(name: str, out: Path, limit: int | None, resume: bool, device: str) -> list[str]:
-    """The ``refusion ablate`` command line that runs one ablation into ``out``."""
-    cmd = [sys.executable, "-m", "refusion.cli", "ablate", name + ".yaml", "--out", str(out), "--device", device]
+def ablation_command(name: str, out: Path, limit: int | None, resume: bool,
+                     runtime: RuntimeOptions | None = None) -> list[str]:
+    """The ``refusion ablate`` command line that runs one ablation into ``out`` (with ``runtime``'s flags)."""
+    cmd = [sys.executable, "-m", "refusion.cli", "ablate", name + ".yaml", "--out", str(out),
+           *(runtime.as_flags() if runtime else [])]
     return cmd + (["--limit", str(limit)] if limit else []) + (["--resume"] if resume else [])
 
 
-def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, device: str, jobs: int,
-                 timings: dict[str, float], timing_file: Path) -> None:
+def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, runtime: RuntimeOptions | None,
+                 jobs: int, timings: dict[str, float], timing_file: Path) -> None:
     """Run the ablations in ``jobs`` one-thread ``refusion ablate`` processes, each logging to
     ``OUT/<name>/run.log``; record each one's wall time as it finishes."""
     from refusion.core.workers import Finished, Job, run_jobs
@@ -338,14 +341,15 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, d
         print(f"[results] {f.name}: {'done' if f.returncode == 0 else f'FAILED (exit {f.returncode})'} in "
               f"{f.wall_s / 60:.1f} min (log: {f.log})", flush=True)
 
-    work = [Job(n, ablation_command(n, out / n, limit, resume, device), out / n / "run.log") for n in names]
+    work = [Job(n, ablation_command(n, out / n, limit, resume, runtime), out / n / "run.log") for n in names]
     failed = [f.name for f in run_jobs(work, jobs, record) if f.returncode]
     if failed:
         raise RuntimeError(f"ablations failed: {failed}; see their run.log; rerun with --resume to continue")
 
 
 def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | None = None, resume: bool = False,
-            device: str = "cpu", command: str = "refusion results", jobs: int = 1, run: bool = True) -> str:
+            runtime: RuntimeOptions | None = None, command: str = "refusion results", jobs: int = 1,
+            run: bool = True) -> str:
     """Run the ablations ``names`` (default all; in this process, or in ``jobs`` worker processes) and write
     ``doc`` from every ablation with results in ``OUT`` (so ``--only`` reruns some and keeps the others'
     sections); with ``run=False`` only rewrite ``doc`` from ``OUT`` (after a change to the verdict rules).
@@ -364,11 +368,11 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
         return write_document(out, doc, names, timings, command, jobs)
     out.mkdir(parents=True, exist_ok=True)
     if jobs > 1:
-        _run_workers(names, out, limit, resume, device, jobs, timings, timing_file)
+        _run_workers(names, out, limit, resume, runtime, jobs, timings, timing_file)
     else:
         for name in names:
             t0 = time.perf_counter()
-            run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, device=device)
+            run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, runtime=runtime)
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its share
             timing_file.write_text(json.dumps(timings, indent=1))
     documented = [n for n in everything if n in names or (out / n / "results.json").is_file()]
@@ -386,7 +390,7 @@ def add_results_command(sub) -> None:
                    help="run the ablations in this many one-thread worker processes (2 on a 2-core machine)")
     p.add_argument("--doc-only", action="store_true",
                    help="run nothing: rewrite --doc from the results already in --out (give the run's --limit/--jobs)")
-    p.add_argument("--device", default="cpu")
+    add_runtime_args(p)
     p.set_defaults(func=cmd_results)
 
 
@@ -401,8 +405,11 @@ def cmd_results(a) -> int:
         raise ConfigError(f"--jobs: must be at least 1, got {a.jobs}")
     command = ("refusion results" + (f" --limit {a.limit}" if a.limit else "") + (f" --only {a.only}" if a.only else "")
                + (f" --jobs {a.jobs}" if a.jobs > 1 else ""))
+    runtime = runtime_from_args(a)
+    if not a.doc_only:
+        runtime.resolve()  # an unavailable flag fails here, not in every worker
     try:
-        run_all(Path(a.out), Path(a.doc), names, a.limit, a.resume, a.device, command, a.jobs, run=not a.doc_only)
+        run_all(Path(a.out), Path(a.doc), names, a.limit, a.resume, runtime, command, a.jobs, run=not a.doc_only)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

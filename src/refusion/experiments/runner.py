@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.experiments.records import RecordWriter, done_keys, load_records
+from refusion.models.loading import RuntimeOptions
 
 KEY = ("run", "task", "idx")
 
@@ -80,12 +81,16 @@ def set_threads(threads: int | None) -> None:
 
 def evaluate(
     runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool = False,
-    device: str = "cpu", desc: str = "eval", on_record: Callable[[dict], None] | None = None,
+    runtime: RuntimeOptions | None = None, desc: str = "eval", on_record: Callable[[dict], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Decode every sample of every task with every run; return all records (old and new)."""
+    """Decode every sample of every task with every run; return all records (old and new). Every model
+    loads with ``runtime`` (default: the CPU in float32), checked before any model loads."""
     from refusion.cli import encode_prompt
     from refusion.models.backend import Backbone
     from refusion.tasks import get_task
+
+    runtime = runtime or RuntimeOptions()
+    runtime.resolve()  # an unavailable option fails before any work
 
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
@@ -105,7 +110,7 @@ def evaluate(
     decoders = {}
     for run in runs:
         if run.model not in backbones:
-            backbones[run.model] = Backbone.from_pretrained(run.model, device=device)
+            backbones[run.model] = Backbone.from_pretrained(run.model, **runtime.model_dump())
         for t in tasks:
             decoders[run.label, t] = build_decoder(backbones[run.model], run.configs[t])
     examples = {t.name: t.examples(split, limit) for t in task_objs}

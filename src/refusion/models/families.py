@@ -42,9 +42,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from refusion.models.loading import Runtime
 
 QWEN_EOS = (151643, 151645)  # <|endoftext|>, <|im_end|>
 REFUSION_MASK_ID = 151670  # <|mask|>
@@ -223,30 +226,40 @@ def needs_remote_code(config: dict[str, Any], family: Family) -> bool:
 
 
 def load_model(
-    path: str | os.PathLike, family: Family, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
+    path: str | os.PathLike, family: Family, runtime: "Runtime | None" = None, trust_remote_code: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
-    """Load ``(model, tokenizer)`` of ``family`` from a local folder (remote code only when allowed)."""
+    """Load ``(model, tokenizer)`` of ``family`` from a local folder as ``runtime`` says (default:
+    ``Runtime.resolve()``, float32 / sdpa on the CPU); remote code only when allowed. Flash attention is
+    refused for families that attend through 4D masks (bidirectional, block-causal)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from refusion.models.loading import check_model_dir
+    from refusion.models.loading import Runtime, RuntimeOptionError, attn_implementations_here, check_model_dir
 
+    runtime = runtime if runtime is not None else Runtime.resolve()
     path = Path(path)
     check_model_dir(path)
     raw = read_config(path)
-    if needs_remote_code(raw, family) and not trust_remote_code:
+    remote = needs_remote_code(raw, family)
+    if remote and not trust_remote_code:
         code = sorted(p.name for p in path.glob("*.py")) or ["(none found)"]
         raise FamilyError(
             f"{family.name!r} models run their own modeling code ({', '.join(code)} in {str(path)!r}); "
             "it is only loaded with --trust-remote-code (trust_remote_code=True). Read that code first: "
             "it runs with your permissions"
         )
+    if runtime.attn_implementation == "flash_attention_2" and family.attention != "causal" and not remote:
+        allowed = [a for a in attn_implementations_here(True, runtime.dtype) if a != "flash_attention_2"]
+        raise RuntimeOptionError(
+            "attn_implementation", runtime.attn_implementation,
+            f"{family.name!r} models attend {family.attention.replace('_', '-')} through 4D masks, which flash "
+            f"attention does not take; allowed here: {', '.join(allowed)}")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     model = auto_class(raw).from_pretrained(
-        path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+        path, config=config, trust_remote_code=trust_remote_code, local_files_only=True,
+        **runtime.from_pretrained_kwargs(remote_code=remote),
     )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    return adapt_model(model.to(device).eval(), family), tokenizer
+    return adapt_model(runtime.place(model), family), tokenizer
 
 
 # -------------------------------------------------------------------------------------- adapters

@@ -2,18 +2,27 @@
 
 A model folder holds ``config.json``, ``model.safetensors`` (or sharded safetensors) and the tokenizer
 files. Names of shipped checkpoints (``tiny-ar``, ``tiny-refusion``, ...) resolve to folders inside the
-installed package. Checkpoints are stored in bfloat16 and loaded in the dtype asked for (float32 on
-CPU by default). ``trust_remote_code`` stays off unless the caller asks for it.
+installed package. Checkpoints are stored in bfloat16 and loaded as :class:`Runtime` says (device,
+dtype, attention implementation, ``device_map``). ``trust_remote_code`` stays off unless the caller asks for it.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+from refusion.core.config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -58,21 +67,229 @@ def check_model_dir(path: Path) -> None:
         raise CheckpointError(f"model folder {str(path)!r} is incomplete: missing {', '.join(missing)}")
 
 
+# ------------------------------------------------------------------------------ runtime options
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+
+
+class RuntimeOptionError(ConfigError):
+    """A runtime option that is unknown or not available on this machine. The message starts with the
+    option as its command-line flag and the value (``--device cuda: ...``) and ends with what is allowed."""
+
+    def __init__(self, option: str, value: Any, reason: str) -> None:
+        self.option = option
+        super().__init__(f"--{option.replace('_', '-')} {value}: {reason}")
+
+
+def _has_package(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _check_device(value: str, option: str = "device") -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, present on this machine; else a :class:`RuntimeOptionError`."""
+    if value == "cpu":
+        return value
+    m = _CUDA_DEVICE.fullmatch(value)
+    if m is None:
+        raise RuntimeOptionError(option, value, "not a device; allowed: cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise RuntimeOptionError(option, value, "CUDA is not available on this machine; allowed here: cpu")
+    count = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= count:
+        raise RuntimeOptionError(option, value, f"this machine has {count} CUDA device(s); allowed here: cpu, cuda, "
+                                                f"cuda:0..cuda:{count - 1}")
+    return value
+
+
+def _check_device_map(value: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A placement strategy, a device, or a mapping module name -> device; needs accelerate."""
+    if not _has_package("accelerate"):
+        raise RuntimeOptionError("device_map", value, "needs the accelerate package (pip install accelerate), which "
+                                                      "is not installed; allowed here: no device map")
+    if isinstance(value, dict):
+        if not value:
+            raise RuntimeOptionError("device_map", value, "an empty mapping; give module name -> device")
+        return value
+    if value in DEVICE_MAP_STRATEGIES:
+        return value
+    if value == "cpu" or _CUDA_DEVICE.fullmatch(value):
+        return _check_device(value, "device_map")
+    allowed = ", ".join(DEVICE_MAP_STRATEGIES)
+    raise RuntimeOptionError("device_map", value, f"not a placement; allowed: {allowed}, a device (cpu, cuda, "
+                                                  "cuda:N) or a JSON mapping of module name -> device")
+
+
+def _map_uses_cuda(device_map: str | dict[str, Any]) -> bool:
+    """Whether a device map puts weights on GPUs (a strategy does whenever CUDA is available)."""
+    if isinstance(device_map, dict):
+        return any(isinstance(v, int) or str(v).startswith("cuda") for v in device_map.values())
+    if device_map in DEVICE_MAP_STRATEGIES:
+        return torch.cuda.is_available()
+    return device_map.startswith("cuda")
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``float32`` / ``bfloat16`` / ``float16`` for a torch dtype or its name (``torch.`` prefix allowed)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise RuntimeOptionError("dtype", name, f"unknown dtype; allowed: {', '.join(DTYPES)}")
+    return name
+
+
+def attn_implementations_here(on_cuda: bool, dtype: str = "bfloat16") -> list[str]:
+    """The attention implementations usable for weights on CUDA (``on_cuda``) or not, in ``dtype``."""
+    fast = on_cuda and dtype != "float32" and _has_package("flash_attn")
+    return ["sdpa", "eager"] + (["flash_attention_2"] if fast else [])
+
+
+class Runtime(BaseModel):
+    """Where and how a model runs: resolved and checked by :meth:`resolve`, never half-filled.
+
+    - ``device``: ``cpu``, ``cuda`` or ``cuda:N``; the model is moved there unless ``device_map`` places it.
+    - ``dtype``: weights' dtype; ``bfloat16`` when the weights go to CUDA, else ``float32``.
+    - ``attn_implementation``: ``sdpa`` (default), ``eager``, or ``flash_attention_2`` (needs the
+      ``flash_attn`` package, CUDA and float16 / bfloat16).
+    - ``device_map``: accelerate's placement over several devices (``auto``, ``balanced``, ...,
+      a device, or a mapping module name -> device), for models larger than one device; None: one device.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    device_map: str | dict[str, Any] | None = None
+    _attn_requested: bool = PrivateAttr(default=False)
+
+    @classmethod
+    def resolve(
+        cls, device: str | torch.device | None = "cpu", dtype: torch.dtype | str | None = None,
+        attn_implementation: str | None = None, device_map: str | dict[str, Any] | None = None,
+    ) -> "Runtime":
+        """Fill the defaults and check every option against this machine; a :class:`RuntimeOptionError`
+        names the first option that is unknown or unavailable and what is allowed. ``device`` None is cpu."""
+        device = _check_device(str(device) if device is not None else "cpu")
+        if device_map is not None:
+            device_map = _check_device_map(device_map)
+        on_cuda = _map_uses_cuda(device_map) if device_map is not None else device.startswith("cuda")
+        name = dtype_name(dtype) if dtype is not None else ("bfloat16" if on_cuda else "float32")
+        attn = attn_implementation or "sdpa"
+        if attn not in ATTN_IMPLEMENTATIONS:
+            raise RuntimeOptionError("attn_implementation", attn, "unknown attention implementation; allowed here: "
+                                     + ", ".join(attn_implementations_here(on_cuda, name)))
+        if attn == "flash_attention_2":
+            where = ", ".join(attn_implementations_here(on_cuda, name))
+            if not _has_package("flash_attn"):
+                raise RuntimeOptionError("attn_implementation", attn,
+                                         f"the flash_attn package is not installed; allowed here: {where}")
+            if not on_cuda:
+                raise RuntimeOptionError("attn_implementation", attn,
+                                         f"flash attention runs on CUDA only (device {device}); allowed here: {where}")
+            if name == "float32":
+                raise RuntimeOptionError("attn_implementation", attn, "flash attention runs in float16 or bfloat16 "
+                                         f"only (dtype float32); use --dtype bfloat16, or one of: {where}")
+        runtime = cls(device=device, dtype=name, attn_implementation=attn, device_map=device_map)
+        runtime._attn_requested = attn_implementation is not None
+        return runtime
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def from_pretrained_kwargs(self, remote_code: bool = False) -> dict[str, Any]:
+        """Keyword arguments for transformers' ``from_pretrained``: ``dtype``, ``attn_implementation`` and,
+        when set, ``device_map``. A model running its own code (``remote_code``) keeps the attention its
+        code chooses unless one was asked for."""
+        kw: dict[str, Any] = {"dtype": self.torch_dtype}
+        if self._attn_requested or not remote_code:
+            kw["attn_implementation"] = self.attn_implementation
+        if self.device_map is not None:
+            kw["device_map"] = self.device_map
+        return kw
+
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` on ``device`` in eval mode (left where ``device_map`` put it when one is set)."""
+        return (model if self.device_map is not None else model.to(self.device)).eval()
+
+
+class RuntimeOptions(BaseModel):
+    """Runtime options as asked for (a config's ``runtime:`` mapping, command-line flags); None: the
+    default. :meth:`resolve` checks them (:class:`Runtime`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str | None = None
+    dtype: str | None = None
+    attn_implementation: str | None = None
+    device_map: str | dict[str, Any] | None = None
+
+    def override(self, other: "RuntimeOptions | None") -> "RuntimeOptions":
+        """These options with every option ``other`` sets replacing this one's."""
+        if other is None:
+            return self
+        return self.model_copy(update=other.model_dump(exclude_none=True))
+
+    def resolve(self) -> Runtime:
+        return Runtime.resolve(**self.model_dump())
+
+    def as_flags(self) -> list[str]:
+        """The command-line flags that ask for these options (unset ones omitted)."""
+        out: list[str] = []
+        for key, value in self.model_dump(exclude_none=True).items():
+            out += [f"--{key.replace('_', '-')}", json.dumps(value) if isinstance(value, dict) else str(value)]
+        return out
+
+
+def add_runtime_args(p: argparse.ArgumentParser, device_help: str = "cpu, cuda or cuda:N (default cpu)") -> None:
+    """Add ``--device``, ``--dtype``, ``--attn-implementation``, ``--device-map`` to ``p`` (each default None:
+    :class:`Runtime` fills it)."""
+    p.add_argument("--device", default=None, help=device_help)
+    p.add_argument("--dtype", default=None,
+                   help=f"{', '.join(DTYPES)} (default: bfloat16 when the weights go to CUDA, else float32)")
+    p.add_argument("--attn-implementation", default=None,
+                   help="sdpa (default), eager, or flash_attention_2 (flash_attn package, CUDA, 16-bit dtype)")
+    p.add_argument("--device-map", default=None,
+                   help="spread a model over devices with accelerate: auto, balanced, balanced_low_0, sequential, "
+                        "or a JSON mapping of module name -> device (default: the whole model on --device)")
+
+
+def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
+    """The :class:`RuntimeOptions` of the flags :func:`add_runtime_args` added (``--device-map`` may be JSON)."""
+    device_map = getattr(args, "device_map", None)
+    if isinstance(device_map, str) and device_map.lstrip().startswith("{"):
+        try:
+            device_map = json.loads(device_map)
+        except json.JSONDecodeError as e:
+            raise RuntimeOptionError("device_map", device_map, f"not a JSON mapping ({e})") from None
+    return RuntimeOptions(device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
+                          attn_implementation=getattr(args, "attn_implementation", None), device_map=device_map)
+
+
 def load_pretrained(
     name_or_path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = "cpu",
+    dtype: torch.dtype | str | None = None,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` from a local folder or shipped name, in eval mode."""
+    """Load ``(model, tokenizer)`` from a local folder or shipped name, in eval mode, as
+    :meth:`Runtime.resolve` makes of the options (float32 and sdpa on the CPU by default)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    runtime = Runtime.resolve(device=device, dtype=dtype, attn_implementation=attn_implementation,
+                              device_map=device_map)
     path = resolve_model_path(name_or_path)
     check_model_dir(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+        path, config=config, trust_remote_code=trust_remote_code, local_files_only=True,
+        **runtime.from_pretrained_kwargs(remote_code=trust_remote_code),
     )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    return runtime.place(model), tokenizer
 
 
 def save_pretrained(

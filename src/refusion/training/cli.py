@@ -71,6 +71,9 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="train on this torch device: cpu (default), cuda, cuda:N")
+    p.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager"],
+                   help="attention of the --init / scratch model: sdpa (default) or eager (training keeps float32 "
+                        "weights, so flash attention, which needs 16-bit ones, is not offered; the recipe uses sdpa)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="recipe: AR pretraining steps (P)")
     p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
     p.add_argument("--refine-steps", type=int, default=None,
@@ -114,6 +117,8 @@ def scratch_tokenizer(data: str) -> Any:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if args.recipe and args.attn_implementation:
+        _error(args, "--attn-implementation applies to --objective training; the recipe trains with sdpa")
     if args.recipe:
         from refusion.training.recipe import run_recipe
 
@@ -169,8 +174,10 @@ def run_train(args: argparse.Namespace) -> int:
         objective = cls.from_tokenizer(tokenizer, options)
         model = build_model(tokenizer, args.size, seed=args.seed,
                             max_position_embeddings=max(512, args.max_length))
+        if args.attn_implementation:
+            model.set_attn_implementation(args.attn_implementation)
     else:
-        model, tokenizer = load_pretrained(args.init)
+        model, tokenizer = load_pretrained(args.init, attn_implementation=args.attn_implementation)
         objective = cls.from_tokenizer(tokenizer, options)
     max_len = min(args.max_length, int(getattr(model.config, "max_position_embeddings", args.max_length)))
     train_pairs = load_pairs(args.data, tokenizer, "train", max_length=max_len, limit=args.limit)
