@@ -126,7 +126,8 @@ def evaluate(
             res = decoders[run.label, task.name].generate(encode_prompt(backbones[run.model].tokenizer, ex.query))
             rec = {"run": run.label, "task": task.name, "idx": i, "decoder": run.decoder, "model": run.model,
                    "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
-                   "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, "completion": res.text}
+                   "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, "completion": res.text,
+                   "token_ids": res.token_ids}
             writer.write(rec)
             records.append(rec)
             if on_record:
