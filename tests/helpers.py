@@ -35,8 +35,11 @@ def make_tiny_qwen3(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int
 
 
 
-def kept_rows(per_position: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    """The entries of ``per_position [B, T]`` at the positions whose logits a forward computed."""
+def kept_rows(per_position: torch.Tensor, logits_to_keep, n_rows: int) -> torch.Tensor:
+    """The entries of ``per_position [B, T]`` at the positions whose logits a forward computed (``n_rows``
+    of them: a model that ignores ``logits_to_keep`` computes all)."""
+    if n_rows == per_position.shape[1]:
+        return per_position
     if isinstance(logits_to_keep, torch.Tensor):
         return per_position[:, logits_to_keep]
     return per_position[:, -logits_to_keep:] if logits_to_keep else per_position
@@ -52,7 +55,8 @@ def force_token(model, position: int, token: int, boost: float = 1e4):
 
     def hook(module, args, kwargs, output):
         ids, pos = kwargs["input_ids"], kwargs["position_ids"]
-        target = kept_rows(torch.where(ids == mask_id, pos, pos + 1), kwargs.get("logits_to_keep", 0))
+        target = torch.where(ids == mask_id, pos, pos + 1)
+        target = kept_rows(target, kwargs.get("logits_to_keep", 0), output.logits.shape[1])
         output.logits[..., token] += boost * (target == position).to(output.logits.dtype)
         return output
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_char_tokenizer
+from helpers import kept_rows, make_char_tokenizer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from refusion.core.config import build_decoder
@@ -109,7 +109,7 @@ def force_shifted(model, position: int, token: int, boost: float = 1e4):
     """Dream semantics on any model: the logits at position p predict p+1, also at [MASK] inputs."""
 
     def hook(module, args, kwargs, output):
-        target = kwargs["position_ids"] + 1
+        target = kept_rows(kwargs["position_ids"] + 1, kwargs.get("logits_to_keep", 0), output.logits.shape[1])
         output.logits[..., token] += boost * (target == position).to(output.logits.dtype)
         return output
 
