@@ -2,11 +2,14 @@
 
 import pytest
 import torch
-from helpers import ban_token, force_token, make_tiny_qwen3
+from helpers import StrayReads, ban_token, force_token, make_tiny_qwen3
 
+from refusion.core import host
 from refusion.core.config import build_decoder
-from refusion.decoders.block import block_causal_mask
+from refusion.decoders.block import block_causal_mask, decoded_fraction
+from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
+from refusion.tasks import get_task
 
 PROMPT = [10, 11, 12, 13, 14]
 P, B = len(PROMPT), 4
@@ -64,6 +67,14 @@ def test_mask_is_block_causal():
     ], dtype=torch.bool)
     assert torch.equal(allowed[:, 2:], expected)
     assert block_causal_mask(seg, 0, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_decoded_fraction_is_one_minus_the_float32_mean_of_the_mask_flags():
+    for size in (4, 6, 10, 32):
+        for masked in range(size + 1):
+            flags = torch.arange(size) < masked
+            assert decoded_fraction(masked, size) == 1.0 - float(flags.float().mean())
+    assert decoded_fraction(3, 10) < 0.7  # 0.3 rounds up in float32
 
 
 def test_wrong_models_refused_before_any_forward(backbone, char_tokenizer):
@@ -152,3 +163,71 @@ def test_pipeline_drafts_next_block_early(blockc, kv_cache):
 def test_pipeline_needs_token_selector(blockc):
     with pytest.raises(ValueError, match="pipeline needs a token selector"):
         build_decoder(blockc, {"decoder": "block", "pipeline": True, "selector": "threshold"})
+
+
+READ_VARIANTS = {
+    "threshold": {},
+    "no cache, threshold 0.2": {"kv_cache": False, "selector": {"name": "confidence_threshold", "threshold": 0.2}},
+    "pipeline": {"pipeline": True, "pipeline_threshold": 0.25, "confident": True},
+    "pipeline, sub-blocks, sampled": {"pipeline": True, "pipeline_threshold": 0.5, "sub_block_size": 2,
+                                      "drafter": {"temperature": 1.0}},
+    "topk k 2": {"selector": {"name": "topk_per_step", "k": 2}, "gen_length": 10},
+    "slot selector": {"selector": {"name": "threshold", "slot_threshold": 0.5}},
+    "eos stop": {"eos_at": 6},
+}
+
+
+def decode_reading_host(bb: Backbone, cfg: dict, prompt: list[int] = PROMPT):
+    """Decode; return the result, the host reads (to_host calls), the ``tolist`` calls (to_host makes one
+    per read) and every other tensor-to-Python conversion made outside the model."""
+    decoder = build_decoder(bb, cfg)
+    watched, tolist_calls = torch.Tensor.tolist, [0]
+
+    def counted(t, *args, **kwargs):
+        tolist_calls[0] += 1
+        return watched(t, *args, **kwargs)
+
+    torch.Tensor.tolist = counted  # beneath StrayReads' own patch, which names the caller
+    host.reset()
+    try:
+        with StrayReads(bb.model) as stray:
+            res = decoder.generate(prompt)
+    finally:
+        torch.Tensor.tolist = watched
+    return res, host.count, tolist_calls[0], stray.where
+
+
+@pytest.mark.parametrize("variant", list(READ_VARIANTS))
+def test_reads_the_host_once_per_step_and_nowhere_else(blockc, variant):
+    cfg = {"decoder": "block", "gen_length": 16, **READ_VARIANTS[variant]}
+    eos_at, confident = cfg.pop("eos_at", None), cfg.pop("confident", False)
+    hooks = [ban_token(blockc.model, blockc.eos_id)]  # the random model would say EOS somewhere itself
+    if eos_at is not None:
+        hooks.append(force_token(blockc.model, P + eos_at, blockc.eos_id, boost=3e4))
+    if confident:  # two confident tokens in block 1: the pipeline commits them alongside block 0's
+        hooks += [force_token(blockc.model, P + B + i, 30 + i) for i in (0, 1)]
+    try:
+        res, reads, tolist_calls, stray = decode_reading_host(blockc, cfg)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert stray == []  # no .item() / .tolist() / int() / bool() / .nonzero() / mask indexing outside to_host
+    assert reads == len(res.trace) + 1 == res.stats.nfe + 1  # one per step + the decode's finiteness check
+    assert tolist_calls == reads
+    assert len(res.token_ids) == (eos_at + 1 if eos_at is not None else cfg["gen_length"])
+    if confident:
+        assert any(len({(p - P) // B for p in t.chosen}) > 1 for t in res.trace)  # a step committed in two blocks
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_bench_settings_read_the_host_once_per_step(pipeline):
+    """The shipped tiny-block at the bench settings: several tokens per step, a stop at the EOS."""
+    bb = Backbone.from_pretrained("tiny-block")
+    task = get_task("arith")
+    cfg = {**load_bench_config().decoder_config("arith", "block", task.max_new_tokens), "pipeline": pipeline}
+    query = task.examples("test", 1)[0].query
+    prompt = list(bb.tokenizer.apply_chat_template([{"role": "user", "content": query}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False))
+    res, reads, tolist_calls, stray = decode_reading_host(bb, cfg, prompt)
+    assert stray == [] and reads == tolist_calls == len(res.trace) + 1
+    assert len(res.trace) < len(res.token_ids) < task.max_new_tokens and res.token_ids[-1] in bb.eos_ids

@@ -1,11 +1,15 @@
 """LLaDA / Fast-dLLM v1 decoder on a tiny random bidirectional Qwen3: schedule, caches, parallel rules, EOS."""
 
 import pytest
-from helpers import ban_token, force_token, make_tiny_qwen3
+import torch
+from helpers import StrayReads, ban_token, force_token, make_tiny_qwen3
 
+from refusion.core import host
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.decoders.llada import num_transfer_tokens
+from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
+from refusion.tasks import get_task
 
 PROMPT = [10, 11, 12, 13, 14]
 
@@ -159,3 +163,67 @@ def test_invalid_options_name_the_problem(cfg, msg):
     with pytest.raises(ConfigError) as err:
         validate_config({"decoder": "llada", **cfg})
     assert msg in str(err.value)
+
+
+def decode_reading_host(bb: Backbone, cfg: dict, prompt: list[int] = PROMPT):
+    """Decode; return the result, the host reads (to_host calls), the ``tolist`` calls (to_host makes one
+    per read) and every other tensor-to-Python conversion made outside the model."""
+    decoder = build_decoder(bb, cfg)
+    watched, tolist_calls = torch.Tensor.tolist, [0]
+
+    def counted(t, *args, **kwargs):
+        tolist_calls[0] += 1
+        return watched(t, *args, **kwargs)
+
+    torch.Tensor.tolist = counted  # beneath StrayReads' own patch, which names the caller
+    host.reset()
+    try:
+        with StrayReads(bb.model) as stray:
+            res = decoder.generate(prompt)
+    finally:
+        torch.Tensor.tolist = watched
+    return res, host.count, tolist_calls[0], stray.where
+
+
+READ_VARIANTS = {
+    "fast-dllm dual threshold": {"kv_cache": "dual", "selector": {"name": "confidence_threshold", "threshold": 0.2}},
+    "topk no cache": {"steps": 8},
+    "prefix refresh": {"kv_cache": "prefix", "refresh_every": 2, "steps": 8},
+    "random remasking, sampled": {"remasking": "random", "steps": 8, "drafter": {"temperature": 1.0}},
+    "factor": {"kv_cache": "dual", "selector": {"name": "factor", "factor": 2.0}},
+    "slot selector": {"selector": {"name": "threshold", "slot_threshold": 0.5}},
+    "eos early stop": {"kv_cache": "dual", "steps": 16, "eos_at": 5},
+    "shifted logits dual": {"kv_cache": "dual", "shifted": True},
+    "shifted logits prefix, block 1": {"kv_cache": "prefix", "block_length": 1, "shifted": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(READ_VARIANTS))
+def test_reads_the_host_once_per_step_and_nowhere_else(bidi, variant):
+    cfg = {"decoder": "llada", "gen_length": 16, "block_length": 8, **READ_VARIANTS[variant]}
+    eos_at, bidi.logits_shifted = cfg.pop("eos_at", None), cfg.pop("shifted", False)
+    hooks = [ban_token(bidi.model, bidi.eos_id)]  # the random model would say EOS somewhere itself
+    if eos_at is not None:
+        hooks.append(force_token(bidi.model, len(PROMPT) + eos_at, bidi.eos_id, boost=3e4))
+    try:
+        res, reads, tolist_calls, stray = decode_reading_host(bidi, cfg)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert stray == []  # no .item() / .tolist() / int() / bool() / .nonzero() / mask indexing outside to_host
+    assert reads == len(res.trace) + 1 == res.stats.nfe + 1  # one per step + the decode's finiteness check
+    assert tolist_calls == reads
+    assert (len(res.token_ids) == eos_at + 1) if eos_at is not None else len(res.token_ids) == 16
+
+
+def test_bench_settings_read_the_host_once_per_step():
+    """The shipped tiny-mdm at the bench settings: several tokens per step, an early stop at the EOS."""
+    bb = Backbone.from_pretrained("tiny-mdm")
+    task = get_task("arith")
+    cfg = load_bench_config().decoder_config("arith", "llada", task.max_new_tokens)
+    query = task.examples("test", 1)[0].query
+    prompt = list(bb.tokenizer.apply_chat_template([{"role": "user", "content": query}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False))
+    res, reads, tolist_calls, stray = decode_reading_host(bb, cfg, prompt)
+    assert stray == [] and reads == tolist_calls == len(res.trace) + 1
+    assert len(res.trace) < len(res.token_ids) < task.max_new_tokens and res.token_ids[-1] in bb.eos_ids

@@ -1,7 +1,9 @@
-"""Token selectors: the LLaDA schedule count, Fast-dLLM's threshold and factor rules, registration."""
+"""Token selectors: the LLaDA schedule count, Fast-dLLM's threshold and factor rules, registration.
+Selectors return ``[n]`` bool masks; ``chosen`` turns one into its ascending indices."""
 
 import pytest
 import torch
+from helpers import chosen
 
 from refusion.core.config import ConfigError, validate_config
 from refusion.core.registry import get_registry
@@ -22,19 +24,19 @@ def test_registered_and_configurable():
 
 
 def test_topk_uses_option_then_budget_then_one():
-    assert TopkPerStep().select(SCORES, budget=2) == [1, 3]  # ascending indices of the 2 best
-    assert TopkPerStep().select(SCORES) == [1]
-    assert TopkPerStep(TopkPerStep.Options(k=3)).select(SCORES, budget=1) == [1, 2, 3]
-    assert TopkPerStep().select(SCORES, budget=99) == [0, 1, 2, 3, 4]
+    assert chosen(TopkPerStep().select(SCORES, budget=2)) == [1, 3]  # ascending indices of the 2 best
+    assert chosen(TopkPerStep().select(SCORES)) == [1]
+    assert chosen(TopkPerStep(TopkPerStep.Options(k=3)).select(SCORES, budget=1)) == [1, 2, 3]
+    assert chosen(TopkPerStep().select(SCORES, budget=99)) == [0, 1, 2, 3, 4]
 
 
 def test_confidence_threshold_is_fast_dllm_rule():
     sel = ConfidenceThreshold(ConfidenceThreshold.Options(threshold=0.9))
-    assert sel.select(SCORES) == [1, 3]
-    assert sel.select(torch.tensor([0.3, 0.9])) == [1]  # >= threshold passes
-    assert sel.select(torch.tensor([0.3, 0.6, 0.1])) == [1]  # none passes: top-1 always
-    assert sel.select(torch.tensor([0.3, 0.6]), at_least_one=False) == []
-    assert ConfidenceThreshold(ConfidenceThreshold.Options(threshold=0.0)).select(SCORES) == [0, 1, 2, 3, 4]
+    assert chosen(sel.select(SCORES)) == [1, 3]
+    assert chosen(sel.select(torch.tensor([0.3, 0.9]))) == [1]  # >= threshold passes
+    assert chosen(sel.select(torch.tensor([0.3, 0.6, 0.1]))) == [1]  # none passes: top-1 always
+    assert chosen(sel.select(torch.tensor([0.3, 0.6]), at_least_one=False)) == []
+    assert chosen(ConfidenceThreshold(ConfidenceThreshold.Options(threshold=0.0)).select(SCORES)) == [0, 1, 2, 3, 4]
 
 
 def factor_reference(conf: list[float], factor: float) -> int:
@@ -52,21 +54,34 @@ def test_factor_matches_reference_rule(factor):
     sel = FactorSelector(FactorSelector.Options(factor=factor))
     for _ in range(50):
         s = torch.rand(int(torch.randint(1, 12, (1,), generator=g)), generator=g) ** 0.3
-        got = sel.select(s)
+        got = chosen(sel.select(s))
         assert len(got) == factor_reference(s.tolist(), factor)
         assert set(got) == set(s.topk(len(got)).indices.tolist()) and got == sorted(got)
 
 
 def test_factor_examples():
     sel = FactorSelector()  # factor 1: 1st needs 0.5, 2nd 2/3, 3rd 3/4
-    assert sel.select(torch.tensor([0.8, 0.76, 0.9])) == [0, 1, 2]
-    assert sel.select(torch.tensor([0.8, 0.6, 0.74])) == [0, 2]
-    assert sel.select(torch.tensor([0.1, 0.3])) == [1]  # the best always
-    assert sel.select(torch.tensor([0.1, 0.3]), at_least_one=False) == []
+    assert chosen(sel.select(torch.tensor([0.8, 0.76, 0.9]))) == [0, 1, 2]
+    assert chosen(sel.select(torch.tensor([0.8, 0.6, 0.74]))) == [0, 2]
+    assert chosen(sel.select(torch.tensor([0.1, 0.3]))) == [1]  # the best always
+    assert chosen(sel.select(torch.tensor([0.1, 0.3]), at_least_one=False)) == []
 
 
 def test_empty_pool_and_plain_selectors():
-    assert ConfidenceThreshold().select(torch.tensor([])) == []
+    assert chosen(ConfidenceThreshold().select(torch.tensor([]))) == []
     # a slot selector (no budget, always non-empty) works through the same entry point
-    assert choose(ThresholdSelector(), SCORES, budget=3) == [1, 3]
-    assert choose(TopkPerStep(), SCORES, budget=3) == [1, 2, 3]
+    assert chosen(choose(ThresholdSelector(), SCORES, budget=3)) == [1, 3]
+    assert chosen(choose(TopkPerStep(), SCORES, budget=3)) == [1, 2, 3]
+
+
+def test_ties_go_leftmost_and_only_eligible_positions_are_chosen():
+    scores = torch.tensor([0.5, 0.95, 0.5, 0.95, 0.5])
+    eligible = torch.tensor([True, False, True, True, True])
+    assert chosen(TopkPerStep().select(scores, budget=3)) == [0, 1, 3]  # the 0.5 tie: leftmost first
+    assert chosen(TopkPerStep().select(scores, budget=2, eligible=eligible)) == [0, 3]
+    assert chosen(TopkPerStep().select(scores, budget=9, eligible=eligible)) == [0, 2, 3, 4]
+    assert chosen(ConfidenceThreshold().select(scores, eligible=eligible)) == [3]
+    assert chosen(ConfidenceThreshold().select(scores, eligible=~eligible)) == [1]
+    assert chosen(ConfidenceThreshold().select(torch.tensor([0.1, 0.95]), eligible=torch.tensor([True, False]))) == [0]
+    assert chosen(FactorSelector().select(scores, eligible=eligible)) == [3]  # 0.95 passes 0.5, 0.5 fails 2/3
+    assert chosen(ConfidenceThreshold().select(scores, at_least_one=True, eligible=torch.zeros(5, dtype=torch.bool))) == []

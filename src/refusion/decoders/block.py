@@ -25,11 +25,20 @@ block is at least ``pipeline_threshold`` decoded, at most one new block per step
 an EOS is committed. Only the oldest window block is forced to commit a token each step; younger ones
 commit only what their selector passes (TokenSelector with ``at_least_one=False``). A window block
 attends to the partly-masked older window blocks (D2F's layout).
+
+Data path: the sequence, positions, masks, logits, proposals, scores, selections and commits live on
+the model's device. Each forward computes logits only for the window blocks' rows (never the prompt's
+or a finished block's). The loop keeps a host copy of the sequence, so the window, the pools and the
+stopping test need no device read. Host synchronisations: one per step
+(= per forward), its one :func:`~refusion.core.host.to_host` read of every pool's scores, which of
+them were chosen and the drafted tokens; plus the finiteness check of
+:meth:`~refusion.core.interfaces.Decoder.generate`: NFE + 1 per decode. The output needs no further read.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from pydantic import Field, model_validator
@@ -37,10 +46,11 @@ from torch import Tensor
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
+from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import cut_after_eos
-from refusion.decoders.llada import choose
+from refusion.decoders.llada import choose, decided
 from refusion.plugins.token_selectors import TokenSelector
 
 
@@ -62,13 +72,22 @@ class BlockOptions(DecoderOptions):
 
 
 def block_causal_mask(seg: Tensor, cached: int, dtype: torch.dtype) -> Tensor:
-    """``[1, 1, q, cached + q]`` additive mask of a chunk after ``cached`` cached tokens.
+    """``[1, 1, q, cached + q]`` additive mask of a chunk after ``cached`` cached tokens, on ``seg``'s device.
 
     ``seg [q]``: block index of each chunk token (-1 = prompt). A query attends to every cached token and
     to the chunk tokens whose block index is <= its own (itself bidirectionally, never a later block).
     """
-    allowed = torch.cat([torch.ones(len(seg), cached, dtype=torch.bool), seg[None, :] <= seg[:, None]], dim=1)
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    q = seg.shape[0]
+    cached_keys = torch.ones(q, cached, dtype=torch.bool, device=seg.device)
+    allowed = torch.cat([cached_keys, seg[None, :] <= seg[:, None]], dim=1)  # [q, cached + q]
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=seg.device)
+    return blocked.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def decoded_fraction(masked: int, size: int) -> float:
+    """Share of a block's ``size`` tokens committed when ``masked`` remain: one minus the float32 mean of
+    its [MASK] flags (``masked / size`` rounded to float32), the value ``pipeline_threshold`` is compared with."""
+    return 1.0 - struct.unpack("f", struct.pack("f", masked / size))[0]
 
 
 class BlockDecoder(Decoder):
@@ -93,54 +112,71 @@ class BlockDecoder(Decoder):
         o: BlockOptions = self.options
         bb, B, sub = self.backbone, self.block_size, self.sub_block_size
         drafter, scorer, selector = self.parts["drafter"], self.parts["scorer"], self.parts["selector"]
-        P, nb = len(prompt_ids), math.ceil(o.gen_length / B)
+        P, nb, dev, mask_id = len(prompt_ids), math.ceil(o.gen_length / B), bb.device, bb.mask_id
         bb.check_length(P, nb * B)
-        x = torch.tensor(list(prompt_ids) + [bb.mask_id] * (nb * B))  # [N]
-        pos = torch.arange(len(x))
-        seg = torch.tensor([-1] * P + [b for b in range(nb) for _ in range(B)])  # block index per position
-        eos = torch.tensor(sorted(bb.eos_ids))
+        tokens = list(prompt_ids) + [mask_id] * (nb * B)  # host copy of x, updated from each step's read
+        x = from_host(tokens, dev)  # [N] long
+        pos = torch.arange(len(tokens), device=dev)  # [N]
+        seg = from_host([-1] * P + [b for b in range(nb) for _ in range(B)], dev)  # [N] block index per position
+        masked = [B] * nb  # [MASK]s left per block
+        eos_seen = False  # an EOS has been committed
         cache = bb.new_cache() if o.kv_cache else None
         cached, started = 0, 1  # x[:cached] has its KV in cache; blocks [0, started) were started
         trace: list[IterationTrace] = []
 
-        def masks(b: int) -> Tensor:
-            return x[P + b * B : P + (b + 1) * B] == bb.mask_id  # [B]
-
         while True:
-            finished = next((b for b in range(nb) if masks(b).any()), nb)  # leading clean blocks
+            finished = next((b for b in range(nb) if masked[b]), nb)  # leading clean blocks
             if finished == nb:
                 break
-            eos_seen = bool(torch.isin(x[P:], eos).any())
-            decoded = 1.0 - float(masks(started - 1).float().mean())  # of the newest started block
+            decoded = decoded_fraction(masked[started - 1], B)  # of the newest started block
             if o.pipeline and started < nb and not eos_seen and decoded >= o.pipeline_threshold:
                 started += 1
             started = max(started, finished + 1)
-            lo, hi = (cached if o.kv_cache else 0), P + started * B
+            pools: list[list[int]] = []  # per window block with a [MASK]: its pool's positions, ascending
+            for b in range(finished, started):
+                start = P + b * B
+                if masked[b]:  # the pool: the [MASK]s of the block's first sub-block that has one
+                    first = next(i for i in range(B) if tokens[start + i] == mask_id) // sub * sub
+                    pools.append([p for p in range(start + first, start + first + sub) if tokens[p] == mask_id])
+            where = from_host([p for pool in pools for p in pool], dev)  # [n] every pool's positions
+            lo, hi, w0 = (cached if o.kv_cache else 0), P + started * B, P + finished * B  # window: x[w0:hi]
             mask = block_causal_mask(seg[lo:hi], lo, bb.model.dtype)  # [1, 1, hi - lo, hi]
-            logits = bb.forward(x[lo:hi], pos[lo:hi], cache, attn_mask=mask)[0]  # [hi - lo, V]
+            window = bb.forward(x[lo:hi], pos[lo:hi], cache, attn_mask=mask, logits_at=slice(w0 - lo, None))[0]
+            logits = window[where - w0]  # [n, V]
             if cache is not None:  # keep the KV of the clean prompt / finished blocks only
-                cached = P + finished * B
+                cached = w0
                 bb.crop(cache, cached)
+            scores, chosen, drafted = [], [], []  # per pool: [n_j] tensors
+            at = 0
+            for j, pool in enumerate(pools):  # pools[0] is the oldest window block's: it commits at least one
+                proposal = drafter.draft(logits[at : at + len(pool), None], generator)  # [n_j, 1]
+                pool_scores = scorer.score(proposal)  # [n_j]
+                pool_chosen = choose(selector, pool_scores, None, at_least_one=j == 0)  # [n_j] bool
+                x[where[at : at + len(pool)]] = torch.where(pool_chosen, proposal.token_ids[:, 0], mask_id)
+                scores.append(pool_scores)
+                chosen.append(pool_chosen)
+                drafted.append(proposal.token_ids[:, 0])
+                at += len(pool)
+            score_values, chosen_flags, drafted_ids = to_host(  # the step's one read
+                torch.cat(scores), torch.cat(chosen), torch.cat(drafted))
             it = IterationTrace(block=finished, stage="block", scored=[], chosen=[], accepted=[], forwards=1)
-            for j, b in enumerate(range(finished, started)):
-                m = masks(b)
-                if not m.any():
-                    continue
-                first = int(m.nonzero()[0]) // sub * sub  # first sub-block with a [MASK]
-                pool = (m[first : first + sub]).nonzero().flatten() + P + b * B + first  # [n] absolute positions
-                proposal = drafter.draft(logits[pool - lo][:, None], generator)  # [n, 1]
-                scores = scorer.score(proposal)  # [n]
-                idx = choose(selector, scores, None, at_least_one=j == 0)
-                x[pool[idx]] = proposal.token_ids[idx, 0].cpu()
-                it.scored += [(int(p), float(c)) for p, c in zip(pool, scores)]
-                it.chosen += pool[idx].tolist()
-                it.accepted += [(int(p), 1) for p in pool[idx]]
+            at = 0
+            for pool in pools:
+                flags = chosen_flags[at : at + len(pool)]
+                committed = [p for p, c in zip(pool, flags) if c]
+                for p, t, c in zip(pool, drafted_ids[at : at + len(pool)], flags):
+                    if c:
+                        tokens[p] = t
+                        masked[(p - P) // B] -= 1
+                        eos_seen = eos_seen or t in bb.eos_ids
+                it.scored += list(zip(pool, score_values[at : at + len(pool)]))
+                it.chosen += committed
+                it.accepted += [(p, 1) for p in committed]
+                at += len(pool)
             trace.append(it)
-            gen = x[P:]
-            hits = torch.isin(gen, eos).nonzero().flatten()
-            if len(hits) and not bool((gen[: int(hits[0])] == bb.mask_id).any()):
+            if decided(tokens[P:], mask_id, bb.eos_ids):
                 break  # the output is decided: tokens after the first EOS are dropped
-        out = cut_after_eos(x[P:].tolist(), bb.eos_ids)[: o.gen_length]
+        out = cut_after_eos(tokens[P:], bb.eos_ids)[: o.gen_length]
         return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))))
 
 

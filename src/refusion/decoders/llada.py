@@ -29,6 +29,15 @@ Every forward attends everywhere (4D all-zero additive mask). The output is cut 
 Shifted-logits models (``backbone.logits_shifted``: Dream, whose logits at position i predict token i+1
 even at a [MASK] input) have their logits shifted right by one before use; in a cached window the first
 position's prediction comes from the last full (refresh) forward, as D2F / dllm do.
+
+Data path: the sequence, positions, logits, proposals, scores, selections and commits live on the
+model's device. Each forward computes logits only for the current block's rows (shifted models: the
+rows before them; a cached step takes the block start's prediction from the last refresh). The loop
+keeps a host copy of the sequence, so the pool's positions, the schedule and the early-stop test need
+no device read. Host synchronisations: one per step (= per forward), its one
+:func:`~refusion.core.host.to_host` read of the pool's scores, which of them were chosen and the
+drafted tokens; plus the finiteness check of :meth:`~refusion.core.interfaces.Decoder.generate`:
+NFE + 1 per decode. The output needs no further read.
 """
 
 from __future__ import annotations
@@ -38,10 +47,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
-from transformers import DynamicCache
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
+from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions, Selector
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import cut_after_eos
@@ -89,21 +98,27 @@ def num_transfer_tokens(n_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-def choose(selector: Selector, scores: Tensor, budget: int | None, at_least_one: bool = True) -> list[int]:
-    """Indices of ``scores`` to commit: token selectors get the budget; any other selector just the scores."""
+def choose(selector: Selector, scores: Tensor, budget: int | None, at_least_one: bool = True) -> Tensor:
+    """``scores [n]`` of a pool -> ``[n]`` bool, True at the positions to commit. Token selectors also get
+    the step's budget and ``at_least_one``; any other selector just the scores (it always chooses one)."""
     if isinstance(selector, TokenSelector):
         return selector.select(scores, budget=budget, at_least_one=at_least_one)
     return selector.select(scores)
 
 
-def shift_right(logits: Tensor) -> Tensor:
-    """Shifted-logits models (Dream): ``out[i] = logits[i-1]`` (the prediction of token i); ``out[0] = logits[0]``."""
-    return torch.cat([logits[:1], logits[:-1]])
+def decided(generated: list[int], mask_id: int, eos_ids: set[int]) -> bool:
+    """Whether a committed EOS has no [MASK] before it: the output up to that EOS cannot change any more."""
+    for token in generated:
+        if token in eos_ids:
+            return True
+        if token == mask_id:
+            return False
+    return False
 
 
-def full_mask(q: int, kv: int, dtype: torch.dtype) -> Tensor:
+def full_mask(q: int, kv: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
     """``[1, 1, q, kv]`` additive mask letting every query attend to every key."""
-    return torch.zeros(1, 1, q, kv, dtype=dtype)
+    return torch.zeros(1, 1, q, kv, dtype=dtype, device=device)
 
 
 class LladaDecoder(Decoder):
@@ -115,54 +130,67 @@ class LladaDecoder(Decoder):
         o: LladaOptions = self.options
         bb = self.backbone
         drafter, scorer, selector = self.parts["drafter"], self.parts["scorer"], self.parts["selector"]
-        P, L, dt = len(prompt_ids), o.block, bb.model.dtype
-        x = torch.tensor(list(prompt_ids) + [bb.mask_id] * o.gen_length)  # [N]
-        N, pos = len(x), torch.arange(len(x))
-        eos = torch.tensor(sorted(bb.eos_ids))
+        P, L, dt, dev, mask_id = len(prompt_ids), o.block, bb.model.dtype, bb.device, bb.mask_id
+        tokens = list(prompt_ids) + [mask_id] * o.gen_length  # host copy of x, updated from each step's read
+        N = len(tokens)
+        x = from_host(tokens, dev)  # [N] long
+        pos = torch.arange(N, device=dev)  # [N]
         steps_per_block = o.n_steps // (o.gen_length // L)
         trace: list[IterationTrace] = []
-        cache: DynamicCache | None = None
+        cache = None
+        head: Tensor | None = None  # [V] shifted models: the last full forward's prediction of the block start
         done = False
         for b in range(o.gen_length // L):
             s, e = P + b * L, P + (b + 1) * L
             budget = num_transfer_tokens(L, steps_per_block)
+            pool = list(range(s, e))  # the block's [MASK] positions, ascending
             i = 0
-            while not done and bool((x[s:e] == bb.mask_id).any()):
+            while not done and pool:
                 refresh = i == 0 or (o.refresh_every > 0 and i % o.refresh_every == 0)
                 if o.kv_cache == "none" or refresh:  # full forward; a refresh keeps the prefix (+ suffix) KV
                     cache = bb.new_cache() if o.kv_cache != "none" else None
-                    logits, off = bb.forward(x, pos, cache, attn_mask=full_mask(N, N, dt))[0], 0
-                    if bb.logits_shifted:  # Dream: logits[i] predict i+1 -> shift right; keep s's prediction
-                        head, logits = logits[s - 1], shift_right(logits)
+                    rows = slice(s - 1, e - 1) if bb.logits_shifted else slice(s, e)  # Dream: row i predicts i+1
+                    logits = bb.forward(x, pos, cache, attn_mask=full_mask(N, N, dt, dev), logits_at=rows)[0]  # [L, V]
+                    if bb.logits_shifted:
+                        head = logits[0]  # the prediction of s, for the cached steps
                     if o.kv_cache == "prefix":
                         bb.crop(cache, s)
                     elif o.kv_cache == "dual":
                         bb.drop_span(cache, s, e)
                 else:  # prefix: block + later masks after x[:s]; dual: only the block between x[:s] and x[e:]
                     end = N if o.kv_cache == "prefix" else e
-                    mask = full_mask(end - s, N, dt)  # the cache holds the other N - (end - s) tokens
-                    logits, off = bb.forward(x[s:end], pos[s:end], cache, keep_kv=False, attn_mask=mask)[0], s
-                    if bb.logits_shifted:  # position s is predicted from s-1, outside the window: last refresh's
-                        logits = torch.cat([head[None], logits[:-1]])
-                pool = (x[s:e] == bb.mask_id).nonzero().flatten() + s  # [n] absolute positions
-                proposal = drafter.draft(logits[pool - off][:, None], generator)  # [n, 1]
+                    mask = full_mask(end - s, N, dt, dev)  # the cache holds the other N - (end - s) tokens
+                    if bb.logits_shifted:  # s is predicted from s-1, outside the window: the last refresh's head
+                        window = bb.forward(x[s:end], pos[s:end], cache, keep_kv=False, attn_mask=mask,
+                                            logits_at=slice(0, L - 1) if L > 1 else None)  # [1, L - 1, V]
+                        logits = head[None] if window is None else torch.cat([head[None], window[0]])  # [L, V]
+                    else:
+                        logits = bb.forward(x[s:end], pos[s:end], cache, keep_kv=False, attn_mask=mask,
+                                            logits_at=slice(0, L))[0]  # [L, V]
+                where = from_host(pool, dev)  # [n] the pool's positions
+                proposal = drafter.draft(logits[where - s][:, None], generator)  # [n, 1]
                 if o.remasking == "random":
-                    scores = torch.rand(len(pool), generator=generator, dtype=torch.float64)
+                    scores = torch.rand(len(pool), generator=generator, dtype=torch.float64, device=dev)  # [n]
                 else:
                     scores = scorer.score(proposal)  # [n]
-                idx = choose(selector, scores, budget[i] if i < len(budget) else None)
-                x[pool[idx]] = proposal.token_ids[idx, 0].cpu()
+                chosen = choose(selector, scores, budget[i] if i < len(budget) else None)  # [n] bool
+                drafted = proposal.token_ids[:, 0]  # [n]
+                x[where] = torch.where(chosen, drafted, mask_id)
+                score_values, chosen_flags, drafted_ids = to_host(scores, chosen, drafted)  # the step's one read
+                committed = [p for p, c in zip(pool, chosen_flags) if c]
+                for p, t, c in zip(pool, drafted_ids, chosen_flags):
+                    if c:
+                        tokens[p] = t
                 trace.append(IterationTrace(
-                    block=b, stage="mdm", scored=[(int(p), float(c)) for p, c in zip(pool, scores)],
-                    chosen=pool[idx].tolist(), accepted=[(int(p), 1) for p in pool[idx]], forwards=1,
+                    block=b, stage="mdm", scored=list(zip(pool, score_values)), chosen=committed,
+                    accepted=[(p, 1) for p in committed], forwards=1,
                 ))
+                pool = [p for p, c in zip(pool, chosen_flags) if not c]
                 i += 1
-                gen = x[P:]
-                hits = torch.isin(gen, eos).nonzero().flatten()
-                done = o.early_stop and len(hits) > 0 and not bool((gen[: int(hits[0])] == bb.mask_id).any())
+                done = o.early_stop and decided(tokens[P:], mask_id, bb.eos_ids)
             if done:
                 break
-        out = cut_after_eos(x[P:].tolist(), bb.eos_ids)  # early stop leaves [MASK] only after the EOS
+        out = cut_after_eos(tokens[P:], bb.eos_ids)  # early stop leaves [MASK] only after the EOS
         return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))))
 
 
