@@ -132,3 +132,26 @@ class StrayReads:
             setattr(torch.Tensor, name, original)
         torch.Tensor.__getitem__ = self._saved_getitem
         del self.model.forward
+
+
+def decode_reading_host(backbone, config: dict, prompt: list[int]):
+    """Decode ``prompt``; return the result, the host reads (``to_host`` calls), the ``tolist`` calls
+    (``to_host`` makes one per read) and every other tensor-to-Python conversion made outside the model."""
+    from refusion.core import host
+    from refusion.core.config import build_decoder
+
+    decoder = build_decoder(backbone, config)
+    watched, tolist_calls = torch.Tensor.tolist, [0]
+
+    def counted(t, *args, **kwargs):
+        tolist_calls[0] += 1
+        return watched(t, *args, **kwargs)
+
+    torch.Tensor.tolist = counted  # beneath StrayReads' own patch, which names the caller
+    host.reset()
+    try:
+        with StrayReads(backbone.model) as stray:
+            result = decoder.generate(prompt)
+    finally:
+        torch.Tensor.tolist = watched
+    return result, host.count, tolist_calls[0], stray.where

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from helpers import StrayReads, ban_token, force_token, make_tiny_qwen3
+from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3
 
-from refusion.core import host
 from refusion.core.config import build_decoder
 from refusion.decoders.block import block_causal_mask, decoded_fraction
 from refusion.experiments.bench import load_bench_config
@@ -177,26 +176,6 @@ READ_VARIANTS = {
 }
 
 
-def decode_reading_host(bb: Backbone, cfg: dict, prompt: list[int] = PROMPT):
-    """Decode; return the result, the host reads (to_host calls), the ``tolist`` calls (to_host makes one
-    per read) and every other tensor-to-Python conversion made outside the model."""
-    decoder = build_decoder(bb, cfg)
-    watched, tolist_calls = torch.Tensor.tolist, [0]
-
-    def counted(t, *args, **kwargs):
-        tolist_calls[0] += 1
-        return watched(t, *args, **kwargs)
-
-    torch.Tensor.tolist = counted  # beneath StrayReads' own patch, which names the caller
-    host.reset()
-    try:
-        with StrayReads(bb.model) as stray:
-            res = decoder.generate(prompt)
-    finally:
-        torch.Tensor.tolist = watched
-    return res, host.count, tolist_calls[0], stray.where
-
-
 @pytest.mark.parametrize("variant", list(READ_VARIANTS))
 def test_reads_the_host_once_per_step_and_nowhere_else(blockc, variant):
     cfg = {"decoder": "block", "gen_length": 16, **READ_VARIANTS[variant]}
@@ -207,7 +186,7 @@ def test_reads_the_host_once_per_step_and_nowhere_else(blockc, variant):
     if confident:  # two confident tokens in block 1: the pipeline commits them alongside block 0's
         hooks += [force_token(blockc.model, P + B + i, 30 + i) for i in (0, 1)]
     try:
-        res, reads, tolist_calls, stray = decode_reading_host(blockc, cfg)
+        res, reads, tolist_calls, stray = decode_reading_host(blockc, cfg, PROMPT)
     finally:
         for h in hooks:
             h.remove()

@@ -4,10 +4,9 @@ tensor to a Python value outside the model (each such conversion is a synchronis
 from __future__ import annotations
 
 import pytest
-from helpers import StrayReads
+from helpers import StrayReads, decode_reading_host
 
 from refusion.core import host
-from refusion.core.config import build_decoder
 from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
 from refusion.tasks import get_task
@@ -48,35 +47,25 @@ def expected_reads(config: dict, trace) -> int:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_refusion_reads_the_host_only_where_documented(tiny_refusion, variant):
     config = {**REFERENCE, "gen_length": 96, **VARIANTS[variant]}
-    decoder = build_decoder(tiny_refusion, config)
-    ids = prompt(tiny_refusion)
-    host.reset()
-    with StrayReads(tiny_refusion.model) as stray:
-        result = decoder.generate(ids)
-    assert stray.where == []
-    assert host.count == expected_reads(config, result.trace)
+    result, reads, tolist_calls, stray = decode_reading_host(tiny_refusion, config, prompt(tiny_refusion))
+    assert stray == [] and tolist_calls == reads
+    assert reads == expected_reads(config, result.trace)
     assert any(it.stage == "II-b" for it in result.trace) or variant == "fused + window"
 
 
 @pytest.mark.parametrize("task", ["arith", "code", "facts"])
 def test_refusion_bench_settings_read_the_host_only_where_documented(tiny_refusion, task):
     config = load_bench_config().decoder_config(task, "refusion", get_task(task).max_new_tokens)
-    decoder = build_decoder(tiny_refusion, config)
-    ids = prompt(tiny_refusion, task)
-    host.reset()
-    with StrayReads(tiny_refusion.model) as stray:
-        result = decoder.generate(ids)
-    assert stray.where == []
-    assert host.count == expected_reads(config, result.trace)
+    result, reads, tolist_calls, stray = decode_reading_host(tiny_refusion, config, prompt(tiny_refusion, task))
+    assert stray == [] and tolist_calls == reads
+    assert reads == expected_reads(config, result.trace)
 
 
 def test_ar_reads_one_token_per_step(tiny_refusion):
-    decoder = build_decoder(tiny_refusion, {"decoder": "ar", "gen_length": 40})
-    host.reset()
-    with StrayReads(tiny_refusion.model) as stray:
-        result = decoder.generate(prompt(tiny_refusion))
-    assert stray.where == []
-    assert host.count == len(result.token_ids) + 1
+    result, reads, tolist_calls, stray = decode_reading_host(
+        tiny_refusion, {"decoder": "ar", "gen_length": 40}, prompt(tiny_refusion))
+    assert stray == [] and tolist_calls == reads
+    assert reads == len(result.token_ids) + 1
 
 
 def test_stray_reads_are_caught(tiny_refusion):

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from helpers import StrayReads, ban_token, force_token, make_tiny_qwen3
+from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3
 
-from refusion.core import host
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.decoders.llada import num_transfer_tokens
 from refusion.experiments.bench import load_bench_config
@@ -165,26 +164,6 @@ def test_invalid_options_name_the_problem(cfg, msg):
     assert msg in str(err.value)
 
 
-def decode_reading_host(bb: Backbone, cfg: dict, prompt: list[int] = PROMPT):
-    """Decode; return the result, the host reads (to_host calls), the ``tolist`` calls (to_host makes one
-    per read) and every other tensor-to-Python conversion made outside the model."""
-    decoder = build_decoder(bb, cfg)
-    watched, tolist_calls = torch.Tensor.tolist, [0]
-
-    def counted(t, *args, **kwargs):
-        tolist_calls[0] += 1
-        return watched(t, *args, **kwargs)
-
-    torch.Tensor.tolist = counted  # beneath StrayReads' own patch, which names the caller
-    host.reset()
-    try:
-        with StrayReads(bb.model) as stray:
-            res = decoder.generate(prompt)
-    finally:
-        torch.Tensor.tolist = watched
-    return res, host.count, tolist_calls[0], stray.where
-
-
 READ_VARIANTS = {
     "fast-dllm dual threshold": {"kv_cache": "dual", "selector": {"name": "confidence_threshold", "threshold": 0.2}},
     "topk no cache": {"steps": 8},
@@ -206,7 +185,7 @@ def test_reads_the_host_once_per_step_and_nowhere_else(bidi, variant):
     if eos_at is not None:
         hooks.append(force_token(bidi.model, len(PROMPT) + eos_at, bidi.eos_id, boost=3e4))
     try:
-        res, reads, tolist_calls, stray = decode_reading_host(bidi, cfg)
+        res, reads, tolist_calls, stray = decode_reading_host(bidi, cfg, PROMPT)
     finally:
         for h in hooks:
             h.remove()
