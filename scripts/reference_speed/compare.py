@@ -72,11 +72,16 @@ def summarize_pairs(pairs: list[tuple[dict, dict]], time_field: str = "wall_s") 
 
 
 def summarize(ref: dict, ours: dict, time_field: str = "wall_s") -> dict[str, dict]:
-    """Per task (in our order) and ``all``: the summary of :func:`summarize_pairs`."""
+    """Per task (in our order), ``all``, and ``all, identical outputs`` (only the prompts whose outputs are
+    the same token ids, so both decoders did the same decoding work): the summary of :func:`summarize_pairs`."""
     pairs = pair_results(ref, ours)
     rows = {task: summarize_pairs(p, time_field) for task, p in pairs.items()}
+    every = [x for p in pairs.values() for x in p]
     if len(pairs) > 1:
-        rows["all"] = summarize_pairs([x for p in pairs.values() for x in p], time_field)
+        rows["all"] = summarize_pairs(every, time_field)
+    same = [(r, o) for r, o in every if r["token_ids"] == o["token_ids"]]
+    if same and len(same) < len(every):
+        rows["all, identical outputs"] = summarize_pairs(same, time_field)
     return rows
 
 

@@ -35,8 +35,10 @@ OURS = results("ours", [("arith", 0, [5, 6, 0], 1.0), ("arith", 1, [7, 0], 1.0),
 
 def test_counts_ratios_and_interval(compare):
     rows = compare.summarize(REF, OURS)
-    assert list(rows) == ["arith", "code", "all"]
-    a, c, total = rows["arith"], rows["code"], rows["all"]
+    assert list(rows) == ["arith", "code", "all", "all, identical outputs"]
+    a, c, total, same = rows["arith"], rows["code"], rows["all"], rows["all, identical outputs"]
+    assert (same["prompts"], same["identical"]) == (4, 4)
+    assert same["median_ratio"] == pytest.approx(statistics.median([2, 4, 1, 1]))
     assert (a["prompts"], a["identical"]) == (3, 2)
     assert (c["prompts"], c["identical"]) == (2, 2)
     assert (total["prompts"], total["identical"]) == (5, 4)
