@@ -77,6 +77,7 @@ class Selector(Part):
         """``scores [S]`` of the pool's slots (in position order) -> ``[S]`` bool, True at the chosen slots,
         at least one True; on the scores' device, without reading values on the host."""
 
+
 class Verifier(Part):
     """Accepts drafted tokens from their causal (next-token) probabilities. Pure functions of tensors."""
 
