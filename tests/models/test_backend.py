@@ -154,6 +154,8 @@ def test_logits_only_at_the_rows_read(backbone):
     index = torch.tensor([4, 0, 2])
     assert torch.allclose(backbone.forward(ids, pos, None, logits_at=index)[0], full[index], atol=1e-6)
     assert backbone.logits_rows == 3 + 4 + 3
+    assert backbone.forward(ids, pos, None, logits_at=slice(5, None)).shape[1] == 0  # an empty slice is no rows
+    assert backbone.logits_rows == 3 + 4 + 3
     cache = backbone.new_cache()
     assert backbone.forward(ids, pos, cache, logits_at=None) is None  # a prefill: KV, no logits
     assert backbone.logits_rows == 10 and backbone.cache_len(cache) == 5

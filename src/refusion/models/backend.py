@@ -4,8 +4,8 @@ Every forward goes through :meth:`Backbone.forward`, which counts forward calls 
 logits rows computed, passes an attention mask wherever there is no cache (transformers builds a
 packed-sequence mask for non-monotone position ids without one), computes logits only at the positions
 the caller reads, keeps them on the model's device, flags non-finite logits, and sets the [MASK] logit
-to the lowest float, so no decoder ever emits [MASK] as a token. The cache operations the decoders need (crop, fork
-into N rows, select rows, append per-row KV) are methods here, written against transformers 5.x
+to the lowest float, so no decoder ever emits [MASK] as a token. The cache operations the decoders
+need (crop, fork into N rows, select rows, append per-row KV) are methods here, written against transformers 5.x
 ``DynamicCache`` (``cache.layers[i].keys`` / ``.values``, shape ``[B, n_kv_heads, T, head_dim]``).
 """
 
@@ -221,9 +221,9 @@ class Backbone:
         if isinstance(logits_at, Tensor):
             return logits_at.to(self.device, non_blocking=True)
         start, stop, step = logits_at.indices(T)
-        if step == 1 and stop == T:
+        if step == 1 and stop == T and start < T:
             return 0 if start == 0 else T - start
-        return torch.arange(start, stop, step, device=self.device)
+        return torch.arange(start, stop, step, device=self.device)  # empty when the slice is
 
     def check_finite(self) -> None:
         """Raise :class:`NonFiniteLogitsError` if any logits row read since the last call held NaN or inf.
