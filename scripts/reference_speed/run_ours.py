@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from refusion.cli import encode_prompt
+    from refusion.models.tokenizer import encode_prompt
     from refusion.core.config import build_decoder
     from refusion.models.backend import Backbone
     from refusion.models.loading import resolve_model_path

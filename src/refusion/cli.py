@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Sequence
 
-from refusion.core.config import ConfigError
+from refusion.core.config import ConfigError, decoder_config
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -19,30 +19,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off by default)")
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of ``text``, through the tokenizer's chat template when it has one and ``chat``."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        ))
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def decoder_config(decoder: str, config_file: str | None, overrides: list[str]) -> dict:
-    """The config mapping from ``--decoder``, ``--config`` and ``--set`` (later ones win)."""
-    from refusion.core.config import apply_overrides, load_config_file
-
-    cfg = load_config_file(config_file) if config_file else {}
-    if decoder:
-        if cfg.get("decoder", decoder) != decoder:
-            raise ConfigError(f"--decoder {decoder!r} contradicts decoder {cfg['decoder']!r} in {config_file}")
-        cfg["decoder"] = decoder
-    return apply_overrides(cfg, overrides)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from refusion.core.config import build_decoder
     from refusion.models.backend import Backbone
+    from refusion.models.tokenizer import encode_prompt
     from refusion.models.loading import runtime_from_args
 
     cfg = decoder_config(args.decoder, args.config, args.set)

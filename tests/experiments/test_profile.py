@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from refusion.cli import encode_prompt, main
+from refusion.cli import main
+from refusion.models.tokenizer import encode_prompt
 from refusion.core.config import build_decoder
 from refusion.experiments.profile import COLUMNS
 from refusion.models.backend import Backbone

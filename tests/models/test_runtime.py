@@ -7,7 +7,8 @@ import pytest
 import torch
 import yaml
 
-from refusion.cli import encode_prompt, main
+from refusion.cli import main
+from refusion.models.tokenizer import encode_prompt
 from refusion.core.config import ConfigError, build_decoder
 from refusion.models import loading
 from refusion.models.backend import Backbone

@@ -162,3 +162,13 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = child
         node[path[-1]] = value
     return out
+
+
+def decoder_config(decoder: str, config_file: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The config mapping from ``--decoder``, ``--config`` and ``--set`` (later ones win)."""
+    cfg = load_config_file(config_file) if config_file else {}
+    if decoder:
+        if cfg.get("decoder", decoder) != decoder:
+            raise ConfigError(f"--decoder {decoder!r} contradicts decoder {cfg['decoder']!r} in {config_file}")
+        cfg["decoder"] = decoder
+    return apply_overrides(cfg, overrides)

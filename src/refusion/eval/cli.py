@@ -63,7 +63,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def _decoder_config(args: argparse.Namespace) -> dict[str, Any]:
-    from refusion.cli import decoder_config
+    from refusion.core.config import decoder_config
 
     return decoder_config(args.decoder, args.config, args.set)
 

@@ -114,7 +114,7 @@ def profile(tasks: list[str], decoders: list[str] | None = None, limit: int | No
             raw_vocab: bool = False) -> list[dict[str, Any]]:
     """One row per (decoder, task), in decoder order (keys: :data:`COLUMNS`, ``model``, ``vocab_size``,
     ``host_syncs``); ``identical_to_original`` is None without ``vocab``."""
-    from refusion.cli import encode_prompt
+    from refusion.models.tokenizer import encode_prompt
     from refusion.models.backend import Backbone
     from refusion.models.build import widen_vocabulary
     from refusion.models.loading import resolve_model_path

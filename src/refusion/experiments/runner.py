@@ -85,7 +85,7 @@ def evaluate(
 ) -> list[dict[str, Any]]:
     """Decode every sample of every task with every run; return all records (old and new). Every model
     loads with ``runtime`` (default: the CPU in float32), checked before any model loads."""
-    from refusion.cli import encode_prompt
+    from refusion.models.tokenizer import encode_prompt
     from refusion.models.backend import Backbone
     from refusion.tasks import get_task
 

@@ -78,3 +78,12 @@ def build_tinybench_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast
     examples = corpus("train")
     texts = [e.query + "\n" for e in examples] + [e.response for e in examples]
     return train_tokenizer(texts, vocab_size, whole_tokens=OPTION_MARKERS)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text``, through the tokenizer's chat template when it has one and ``chat``."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -226,7 +226,7 @@ class DistributedTrainer:
 # ---------------------------------------------------------------------------------------- CLI
 def encode_chat_pairs(tokenizer: Any, texts: list[tuple[str, str]], max_length: int | None) -> list[Pair]:
     """Prompts through the tokenizer's chat template (as the 8B is evaluated), responses + EOS."""
-    from refusion.cli import encode_prompt
+    from refusion.models.tokenizer import encode_prompt
     from refusion.training.data import encode_response
 
     pairs = []
