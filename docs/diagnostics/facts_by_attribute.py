@@ -68,7 +68,7 @@ def capital_questions(n: int) -> list:
 
 
 def judge(args: list[str]) -> None:
-    from refusion.cli import encode_prompt
+    from refusion.models.tokenizer import encode_prompt
     from refusion.models.backend import Backbone
 
     n, models = (int(args[1]), args[2:]) if args[:1] == ["--n"] else (0, args)

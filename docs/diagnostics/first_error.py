@@ -18,7 +18,7 @@ import collections
 
 import torch
 
-from refusion.cli import encode_prompt
+from refusion.models.tokenizer import encode_prompt
 from refusion.core.config import build_decoder
 from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone

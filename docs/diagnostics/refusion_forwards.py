@@ -35,7 +35,7 @@ def width(model: str) -> None:
 
 
 def stages(model: str, task_name: str, n: str, *overrides: str) -> None:
-    from refusion.cli import encode_prompt
+    from refusion.models.tokenizer import encode_prompt
     from refusion.core.config import build_decoder
     from refusion.experiments.bench import load_bench_config
     from refusion.tasks import get_task
