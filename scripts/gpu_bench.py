@@ -25,6 +25,7 @@ from refusion.core import host
 from refusion.core.config import build_decoder
 from refusion.models.backend import Backbone
 from refusion.models.loading import load_pretrained
+from refusion.models.tokenizer import encode_prompt
 from refusion.tasks import get_task
 
 SHAPES = {
@@ -51,9 +52,7 @@ def random_backbone(shape: str, device: str, dtype: torch.dtype) -> Backbone:
 
 def prompts(backbone: Backbone, n: int) -> list[list[int]]:
     examples = get_task("arith").examples("test", n)
-    return [list(backbone.tokenizer.apply_chat_template([{"role": "user", "content": e.query}],
-                                                       add_generation_prompt=True, tokenize=True, return_dict=False))
-            for e in examples]
+    return [encode_prompt(backbone.tokenizer, e.query) for e in examples]
 
 
 def measure(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]) -> dict:

@@ -155,3 +155,11 @@ def decode_reading_host(backbone, config: dict, prompt: list[int]):
     finally:
         torch.Tensor.tolist = watched
     return result, host.count, tolist_calls[0], stray.where
+
+
+def task_prompt(tokenizer, task: str, idx: int = 0, split: str = "test") -> list[int]:
+    """Token ids of tinybench ``task``'s sample ``idx``, encoded as the bench encodes it."""
+    from refusion.models.tokenizer import encode_prompt
+    from refusion.tasks import get_task
+
+    return encode_prompt(tokenizer, get_task(task).examples(split, idx + 1)[idx].query)

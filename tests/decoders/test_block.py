@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3
+from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3, task_prompt
 
 from refusion.core.config import build_decoder
 from refusion.decoders.block import block_causal_mask, decoded_fraction
@@ -204,9 +204,7 @@ def test_bench_settings_read_the_host_once_per_step(pipeline):
     bb = Backbone.from_pretrained("tiny-block")
     task = get_task("arith")
     cfg = {**load_bench_config().decoder_config("arith", "block", task.max_new_tokens), "pipeline": pipeline}
-    query = task.examples("test", 1)[0].query
-    prompt = list(bb.tokenizer.apply_chat_template([{"role": "user", "content": query}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False))
+    prompt = task_prompt(bb.tokenizer, "arith")
     res, reads, tolist_calls, stray = decode_reading_host(bb, cfg, prompt)
     assert stray == [] and reads == tolist_calls == len(res.trace) + 1
     assert len(res.trace) < len(res.token_ids) < task.max_new_tokens and res.token_ids[-1] in bb.eos_ids

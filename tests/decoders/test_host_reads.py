@@ -4,7 +4,7 @@ tensor to a Python value outside the model (each such conversion is a synchronis
 from __future__ import annotations
 
 import pytest
-from helpers import StrayReads, decode_reading_host
+from helpers import StrayReads, decode_reading_host, task_prompt
 
 from refusion.core import host
 from refusion.experiments.bench import load_bench_config
@@ -27,10 +27,8 @@ def tiny_refusion() -> Backbone:
     return Backbone.from_pretrained("tiny-refusion")
 
 
-def prompt(backbone: Backbone, task: str = "arith", idx: int = 0) -> list[int]:
-    query = get_task(task).examples("test", idx + 1)[idx].query
-    return list(backbone.tokenizer.apply_chat_template(
-        [{"role": "user", "content": query}], add_generation_prompt=True, tokenize=True, return_dict=False))
+def prompt(backbone: Backbone, task: str = "arith") -> list[int]:
+    return task_prompt(backbone.tokenizer, task)
 
 
 def expected_reads(config: dict, trace) -> int:

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import task_prompt
 
 from refusion.core import host
 from refusion.core.config import build_decoder
@@ -20,9 +21,7 @@ TASKS = ["arith", "code", "facts"]
 
 
 def prompts(backbone: Backbone, task: str, n: int) -> list[list[int]]:
-    return [list(backbone.tokenizer.apply_chat_template([{"role": "user", "content": e.query}],
-                                                       add_generation_prompt=True, tokenize=True, return_dict=False))
-            for e in get_task(task).examples("test", n)]
+    return [task_prompt(backbone.tokenizer, task, i) for i in range(n)]
 
 
 def decoder(name: str, task: str, device: str, dtype: str):
