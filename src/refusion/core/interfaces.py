@@ -152,12 +152,13 @@ class Decoder(ABC):
         self.options = options
         self.parts = parts
 
+    #: True when :meth:`_decode_batch` decodes several prompts in shared forward calls; otherwise
+    #: :meth:`generate_batch` decodes them one after another with :meth:`generate`
+    batched: ClassVar[bool] = False
+
     def generate(self, prompt_ids: list[int]) -> DecodeResult:
         """Decode a completion of ``prompt_ids``; stats count only this call's forwards."""
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        self.backbone.check_length(len(prompt_ids), self.options.gen_length)
+        prompt_ids = self._checked_prompt(prompt_ids)
         nfe0, tok0 = self.backbone.nfe, self.backbone.tokens_in
         generator = torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
         t0 = time.perf_counter()
@@ -169,6 +170,45 @@ class Decoder(ABC):
             tokens_in=self.backbone.tokens_in - tok0, wall_s=wall, iterations=len(out.trace),
             tpf_reference_mean=out.tpf_reference_mean,
         )
+        return self._result(out, stats)
+
+    def generate_batch(self, prompts: list[list[int]]) -> list[DecodeResult]:
+        """Decode a completion of each prompt; results in prompt order.
+
+        A decoder with ``batched = True`` decodes them together (:meth:`_decode_batch`): each forward call
+        serves every sequence still decoding, and a finished sequence leaves the batch. Each result's
+        stats then count the forward calls it took part in (``nfe``), the tokens fed in its rows, its
+        latency from the batch's start (``wall_s``) and the batch's totals (``batch_*``). Other decoders
+        (the default for a third-party decoder) run :meth:`generate` on each prompt in turn."""
+        prompts = [self._checked_prompt(p) for p in prompts]
+        if not self.batched or len(prompts) == 1:
+            return [self.generate(p) for p in prompts]
+        nfe0 = self.backbone.nfe
+        generator = torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
+        t0 = time.perf_counter()
+        outs = self._decode_batch(prompts, generator)
+        self.backbone.check_finite()
+        end = time.perf_counter()
+        batch_tokens = sum(len(o.token_ids) for o in outs)
+        results = []
+        for out in outs:
+            stats = DecodeStats(
+                generated_tokens=len(out.token_ids), nfe=int(out.nfe or 0), tokens_in=int(out.tokens_in or 0),
+                wall_s=(out.finished_at or end) - t0, iterations=len(out.trace),
+                tpf_reference_mean=out.tpf_reference_mean, batch_size=len(prompts), batch_wall_s=end - t0,
+                batch_nfe=self.backbone.nfe - nfe0, batch_tokens=batch_tokens,
+            )
+            results.append(self._result(out, stats))
+        return results
+
+    def _checked_prompt(self, prompt_ids: list[int]) -> list[int]:
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        self.backbone.check_length(len(prompt_ids), self.options.gen_length)
+        return prompt_ids
+
+    def _result(self, out: LoopOutput, stats: DecodeStats) -> DecodeResult:
         text = self.backbone.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return DecodeResult(text=text, token_ids=out.token_ids, stats=stats, trace=out.trace,
                             buffer_ids=out.buffer_ids, buffer_pos=out.buffer_pos)
@@ -176,3 +216,8 @@ class Decoder(ABC):
     @abstractmethod
     def _decode(self, prompt_ids: list[int], generator: torch.Generator) -> LoopOutput:
         """Run the loop on a validated, non-empty prompt."""
+
+    def _decode_batch(self, prompts: list[list[int]], generator: torch.Generator) -> list[LoopOutput]:
+        """Run the loop on several validated, non-empty prompts in shared forward calls (``batched``
+        decoders only); each output fills ``nfe``, ``tokens_in`` and ``finished_at``."""
+        raise NotImplementedError(f"decoder {self.name!r} has no batched loop")
