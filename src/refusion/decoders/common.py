@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from refusion.core.host import from_host
+from refusion.core.host import from_host, to_host
+from refusion.core.types import LoopOutput
+from refusion.models.ragged import ForwardRequest, RaggedCache
+
+if TYPE_CHECKING:
+    from refusion.models.backend import Backbone
 
 
 def cut_after_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
@@ -34,3 +44,80 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     Every query must be allowed at least one key (a padding query: itself), or attention yields NaN."""
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+# ---------------------------------------------------------------------------- loops as step generators
+@dataclass
+class Read:
+    """A loop's request for the host values of ``tensors`` (:func:`~refusion.core.host.to_host`)."""
+
+    tensors: tuple[Tensor, ...]
+
+
+#: A decoding loop written as a generator: it yields a :class:`ForwardRequest` when it needs a model call
+#: (and receives the logits) or a :class:`Read` when it needs host values (and receives them), and
+#: returns its :class:`LoopOutput`. :func:`run_loop` runs one; :func:`run_loops` runs several as a batch.
+LoopSteps = Generator[ForwardRequest | Read, object, LoopOutput]
+
+
+def run_loop(loop: LoopSteps, backbone: "Backbone") -> LoopOutput:
+    """Run one sequence's loop: each forward a plain :meth:`Backbone.forward` on its own cache, each read
+    one :func:`to_host`."""
+    reply: object = None
+    while True:
+        try:
+            request = loop.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(request, Read):
+            reply = to_host(*request.tensors)
+        else:
+            reply = backbone.forward(request.ids, request.pos, request.cache, keep_kv=request.keep_kv,
+                                     logits_at=request.logits_at)
+
+
+def run_loops(loops: list[LoopSteps], backbone: "Backbone", cache: "RaggedCache") -> list[LoopOutput]:
+    """Run several sequences' loops as a batch over one shared :class:`RaggedCache` (each loop's forwards
+    use a view of it). Every loop runs until it waits on the device; then all waiting reads are served by
+    ONE :func:`to_host`, or, when every loop waits on a forward, all forwards by ONE model call
+    (:meth:`RaggedCache.forward`). A finished loop's rows leave the cache. Each output gets the forwards
+    its sequence took part in (``nfe``), the tokens it fed (``tokens_in``) and when it ended."""
+    outputs: list[LoopOutput | None] = [None] * len(loops)
+    nfe, fed = [0] * len(loops), [0] * len(loops)
+    views: dict[int, set] = {i: set() for i in range(len(loops))}
+    waiting: dict[int, object] = {}
+
+    def advance(i: int, reply: object) -> None:
+        try:
+            waiting[i] = loops[i].send(reply)
+        except StopIteration as stop:
+            out = stop.value
+            out.nfe, out.tokens_in, out.finished_at = nfe[i], fed[i], time.perf_counter()
+            outputs[i] = out
+            waiting.pop(i, None)
+            for view in views[i]:
+                view.release()
+
+    for i in range(len(loops)):
+        advance(i, None)
+    while waiting:
+        reads = [i for i, r in waiting.items() if isinstance(r, Read)]
+        if reads:
+            tensors = [t for i in reads for t in waiting[i].tensors]
+            values = to_host(*tensors)
+            at = 0
+            for i in reads:
+                n = len(waiting[i].tensors)
+                advance(i, values[at : at + n])
+                at += n
+            continue
+        order = sorted(waiting, key=lambda i: min(waiting[i].cache.rows))  # the batch's row order
+        requests = [waiting[i] for i in order]
+        replies = cache.forward(requests, backbone.eos_id)
+        for i, request, reply in zip(order, requests, replies):
+            views[i].add(request.cache)
+            nfe[i] += 1
+            fed[i] += request.ids.numel()
+        for i, reply in zip(order, replies):
+            advance(i, reply)
+    return outputs

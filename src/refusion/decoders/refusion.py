@@ -46,12 +46,13 @@ from torch import Tensor
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
-from refusion.core.host import from_host, to_host
+from refusion.core.host import from_host
 from refusion.core.interfaces import Decoder, DecoderOptions
 from refusion.core.probs import next_token_probs, row_logsumexp
 from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
-from refusion.decoders.common import cut_after_eos
+from refusion.decoders.common import LoopSteps, Read, cut_after_eos, run_loop, run_loops
 from refusion.models.backend import ALL_ROWS
+from refusion.models.ragged import ForwardRequest, RaggedCache
 
 
 class RefusionOptions(DecoderOptions):
@@ -121,8 +122,18 @@ class RefusionDecoder(Decoder):
     name = "refusion"
     Options = RefusionOptions
     attention = ("causal",)
+    batched = True
 
     def _decode(self, prompt_ids, generator):
+        return run_loop(self._loop(prompt_ids, generator, self.backbone.new_cache), self.backbone)
+
+    def _decode_batch(self, prompts, generator):
+        shared = RaggedCache(self.backbone)
+        return run_loops([self._loop(p, generator, shared.new_view) for p in prompts], self.backbone, shared)
+
+    def _loop(self, prompt_ids, generator, new_cache) -> LoopSteps:
+        """One sequence's decode; yields its forwards and host reads (see :func:`run_loop`). ``new_cache``
+        makes its KV cache (a DynamicCache alone, a view of the batch's cache in a batch)."""
         o: RefusionOptions = self.options
         bb = self.backbone
         P = len(prompt_ids)
@@ -137,7 +148,7 @@ class RefusionDecoder(Decoder):
             st.next_logits = None
             while st.pool:
                 nfe0 = bb.nfe
-                cache, it = self._iteration(st, cache, b, generator)
+                cache, it = yield from self._iteration(st, cache, b, generator, new_cache)
                 it.forwards = bb.nfe - nfe0
                 trace.append(it)
             if st.stop:
@@ -147,12 +158,13 @@ class RefusionDecoder(Decoder):
         return LoopOutput(ids, trace, st.ids, st.pos, sum(ratios) / len(ratios) if ratios else 0.0)
 
     # ------------------------------------------------------------------ one iteration
-    def _iteration(self, st: DecodeState, cache, block: int, generator) -> tuple[object, IterationTrace]:
-        """Stage I (draft, score, select), Stage II-a (verify the chosen drafts), else Stage II-b."""
-        cache, drafted, proposal, fused = self._stage_one(st, cache, generator)
+    def _iteration(self, st: DecodeState, cache, block: int, generator, new_cache):
+        """Stage I (draft, score, select), Stage II-a (verify the chosen drafts), else Stage II-b.
+        -> (cache, trace)."""
+        cache, drafted, proposal, fused = yield from self._stage_one(st, cache, generator, new_cache)
         scores = self.parts["scorer"].score(proposal)  # [n_drafted]
         selected = self.parts["selector"].select(scores)  # [n_drafted] bool
-        score_values, selected_flags = to_host(scores, selected)  # host read 1
+        score_values, selected_flags = yield Read((scores, selected))  # host read 1
         rows = [i for i, flag in enumerate(selected_flags) if flag]
         chosen = [drafted[i] for i in rows]
         trace = IterationTrace(
@@ -162,11 +174,11 @@ class RefusionDecoder(Decoder):
         row_index = from_host(rows, self.backbone.device)
         draft_ids, draft_probs = proposal.token_ids[row_index], proposal.probs[row_index]  # [S, k_max]
         if self.options.split_threshold is not None:
-            chosen = self._split(st, chosen, draft_probs, trace)
-        return self._stage_two_a(st, cache, trace, chosen, draft_ids, draft_probs)
+            chosen = yield from self._split(st, chosen, draft_probs, trace)
+        return (yield from self._stage_two_a(st, cache, trace, chosen, draft_ids, draft_probs))
 
     # ------------------------------------------------------------------ Stage I
-    def _stage_one(self, st: DecodeState, cache, generator) -> tuple[object, list[Slot], Proposal, bool]:
+    def _stage_one(self, st: DecodeState, cache, generator, new_cache):
         """One forward of the drafted slots' [MASK]s at their original positions after the committed
         buffer (KV dropped again) -> (cache, drafted slots, proposal ``[n_drafted, k_max]``, whether the
         logits came from the previous II-a forward: fused scheduling)."""
@@ -179,13 +191,13 @@ class RefusionDecoder(Decoder):
             mask_pos = [p for s in drafted for p in s.positions]  # [N]
             masks = [bb.mask_id] * len(mask_pos)
             if cache is None:  # first call: the prompt's prefill rides along, its logits are not computed
-                cache, base = bb.new_cache(), len(st.ids)
-                logits = bb.forward(torch.tensor(st.ids + masks), torch.tensor(st.pos + mask_pos), cache,
-                                    logits_at=slice(base, None))[0]
+                cache, base = new_cache(), len(st.ids)
+                logits = (yield ForwardRequest(cache, torch.tensor(st.ids + masks), torch.tensor(st.pos + mask_pos),
+                                               logits_at=slice(base, None)))[0]
                 bb.crop(cache, base)
             else:
-                logits = bb.forward(torch.tensor(masks), torch.tensor(mask_pos), cache, keep_kv=False,
-                                    logits_at=ALL_ROWS)[0]  # [N, V]
+                logits = (yield ForwardRequest(cache, torch.tensor(masks), torch.tensor(mask_pos), keep_kv=False,
+                                               logits_at=ALL_ROWS))[0]  # [N, V]
         slot_logits, valid = pad_slots(logits, [s.size for s in drafted])  # [n_drafted, k_max, V]
         proposal = self.parts["drafter"].draft(slot_logits, generator)
         proposal.valid = valid
@@ -210,15 +222,16 @@ class RefusionDecoder(Decoder):
             ids = torch.cat([ids, torch.full((len(rest_pos),), bb.mask_id, device=bb.device)])
             pos = torch.tensor(flat_pos + rest_pos)
             logits_at = torch.cat([torch.arange(n - 1), torch.arange(n, n + len(rest_pos))])
-        logits = bb.forward(ids, pos, cache, logits_at=logits_at)[0]  # KV kept: exact for an accepted prefix
+        logits = (yield ForwardRequest(cache, ids, pos, logits_at=logits_at))[0]  # KV kept: exact for an accepted prefix
         ar_probs = torch.ones(len(chosen) * width, device=bb.device).index_copy_(
             0, real, next_token_probs(logits[: n - 1], flat_ids)).view(len(chosen), width)  # [S, k_max]
         verdict = self.parts["verifier"].verify(draft_probs, ar_probs, valid)
-        prefix_len, accepted_slots, drafts = to_host(verdict.prefix_len, verdict.accepted_slots, flat_ids)  # read 2
+        prefix_len, accepted_slots, drafts = yield Read((verdict.prefix_len, verdict.accepted_slots, flat_ids))  # read 2
         eos_at = next((i for i, t in enumerate(drafts[:prefix_len]) if t in bb.eos_ids), None)
         if eos_at is None and accepted_slots == 0:
             bb.crop(cache, base)
-            return self._stage_two_b(st, cache, trace, chosen, draft_ids, valid, verdict.passed, draft_probs, ar_probs)
+            return (yield from self._stage_two_b(st, cache, trace, chosen, draft_ids, valid, verdict.passed,
+                                                 draft_probs, ar_probs))
         n_tok = eos_at + 1 if eos_at is not None else sum(sizes[:accepted_slots])
         bb.crop(cache, base + n_tok)
         st.commit(drafts[:n_tok], flat_pos[:n_tok])
@@ -254,10 +267,10 @@ class RefusionDecoder(Decoder):
             window = filled[:, kept:]  # a view: filled in place
             m = k - kept
             masked = torch.where(before, window, bb.mask_id)
-            predicted = bb.forward(masked, positions[:, kept:], cache, keep_kv=False,
-                                   logits_at=slice(1, None)).argmax(-1)  # [S, m-1]
+            predicted = (yield ForwardRequest(cache, masked, positions[:, kept:], keep_kv=False,
+                                              logits_at=slice(1, None))).argmax(-1)  # [S, m-1]
             window[:, 1:] = torch.where(before[:, 1:], window[:, 1:], predicted)
-            logits = bb.forward(window, positions[:, kept:], cache, logits_at=slice(0, m - 1))  # [S, m-1, V]
+            logits = yield ForwardRequest(cache, window, positions[:, kept:], logits_at=slice(0, m - 1))  # [S, m-1, V]
             norm = row_logsumexp(logits)  # [S, m-1]
             probs = next_token_probs(logits, window, norm)  # [S, m]
             after = self.parts["verifier"].extend(probs, before) | ~valid[:, kept:]
@@ -266,7 +279,7 @@ class RefusionDecoder(Decoder):
                 probs = next_token_probs(logits, window, norm)  # a corrected token's own AR prob
             confidence[:, kept:] = torch.where(after & ~before, probs, confidence[:, kept:])
             verified[:, kept:] = after
-            first_eos, gain, finished, tokens = self._round_status(filled, verified, valid, kept)
+            first_eos, gain, finished, tokens = yield from self._round_status(filled, verified, valid, kept)
             if first_eos < S:  # a verified EOS: drop the chosen slots after it; its row counts as done
                 eos_row, S = first_eos, first_eos + 1
                 filled, positions, verified, valid, confidence = (
@@ -280,7 +293,7 @@ class RefusionDecoder(Decoder):
                 break
         return self._commit_rows(st, cache, trace, chosen, tokens[:S], confidence, eos_row)
 
-    def _round_status(self, filled: Tensor, verified: Tensor, valid: Tensor, kept: int) -> tuple[int, int, bool, list]:
+    def _round_status(self, filled: Tensor, verified: Tensor, valid: Tensor, kept: int):
         """After a round, in one host read: the first row holding a verified EOS (``S`` if none), the
         common verified prefix gained from column ``kept`` over the rows still in play, whether they are
         all complete, and every row's tokens (``[S][k]`` host lists)."""
@@ -294,7 +307,7 @@ class RefusionDecoder(Decoder):
         prefix = torch.cumprod(done[:, kept:].int(), dim=-1).sum(dim=1)  # [S]
         gain = torch.where(in_play, prefix, k).min()
         finished = (done | ~in_play[:, None]).all()
-        return tuple(to_host(first_eos, gain, finished, filled))  # the one read of a round
+        return tuple((yield Read((first_eos, gain, finished, filled))))  # the one read of a round
 
     def _commit_rows(self, st, cache, trace, chosen, tokens, confidence, eos_row):
         """Commit the completed rows (``tokens [S][k]`` on the host): cut after the first EOS, keep what the
@@ -340,11 +353,11 @@ class RefusionDecoder(Decoder):
             return []
         return [s for s in st.pool if s not in chosen][: self.options.draft_window]
 
-    def _split(self, st: DecodeState, chosen: list[Slot], probs: Tensor, trace: IterationTrace) -> list[Slot]:
+    def _split(self, st: DecodeState, chosen: list[Slot], probs: Tensor, trace: IterationTrace):
         """Adaptive slots: cut each chosen slot before its first draft below ``split_threshold`` (one host
-        read of the chosen drafts' probabilities)."""
+        read of the chosen drafts' probabilities) -> the chosen slots after the cuts."""
         o = self.options
-        (low_rows,) = to_host(probs < o.split_threshold)  # [S][k_max]
+        (low_rows,) = yield Read((probs < o.split_threshold,))  # [S][k_max]
         out = []
         for slot, low in zip(chosen, low_rows):
             cut = next((j for j in range(o.min_split, slot.size) if low[j]), slot.size)

@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from refusion.core import host
 from refusion.models.loading import resolve_model_path
+from refusion.models.ragged import CacheView, ForwardRequest
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -172,6 +173,10 @@ class Backbone:
         """
         if ids.dim() == 1:
             ids, pos = ids[None], pos[None]
+        if isinstance(cache, CacheView):  # one sequence of a batch: a forward of its rows alone
+            if attn_mask is not None:
+                raise ValueError("a batched cache row takes no attention mask (it attends causally to its own tokens)")
+            return cache.owner.forward([ForwardRequest(cache, ids, pos, keep_kv, logits_at)], self.eos_id)[0]
         ids = ids.to(self.device, non_blocking=True)
         pos = pos.to(self.device, non_blocking=True)
         past = self.cache_len(cache) if cache is not None else 0
@@ -236,17 +241,24 @@ class Backbone:
             )
 
     # ------------------------------------------------------------ cache ops
+    # Each operation also takes a CacheView (one sequence's rows of a batch's RaggedCache).
     @staticmethod
-    def cache_len(cache: DynamicCache) -> int:
+    def cache_len(cache: DynamicCache | CacheView) -> int:
+        if isinstance(cache, CacheView):
+            return cache.length()
         return cache.get_seq_length()
 
     @staticmethod
-    def cache_rows(cache: DynamicCache) -> int:
+    def cache_rows(cache: DynamicCache | CacheView) -> int:
+        if isinstance(cache, CacheView):
+            return len(cache)
         return int(cache.layers[0].keys.shape[0]) if cache.layers and cache.layers[0].keys is not None else 1
 
     @classmethod
-    def crop(cls, cache: DynamicCache, length: int) -> None:
+    def crop(cls, cache: DynamicCache | CacheView, length: int) -> None:
         """Keep the first ``length`` tokens of every row."""
+        if isinstance(cache, CacheView):
+            return cache.crop(length)
         drop = cls.cache_len(cache) - length
         if drop < 0:
             raise ValueError(f"cannot crop a cache of {cls.cache_len(cache)} tokens to {length}")
@@ -264,12 +276,16 @@ class Backbone:
     @staticmethod
     def repeat_rows(cache: DynamicCache, n: int) -> None:
         """In place: each row repeated ``n`` times (rows ``[r0]*n + [r1]*n + ...``)."""
+        if isinstance(cache, CacheView):
+            return cache.repeat_rows(n)
         if n != 1:
             cache.batch_repeat_interleave(n)
 
     @staticmethod
     def select(cache: DynamicCache, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), in place."""
+        if isinstance(cache, CacheView):
+            return cache.select(rows)
         cache.batch_select_indices(host.from_host(rows, cache.layers[0].keys.device))
 
     @staticmethod
@@ -284,6 +300,8 @@ class Backbone:
         """In place, turn an S-row cache into one row: the shared prefix ``[:base_len]`` (from row 0)
         followed by, for each row s in order, its own tokens ``base_len .. base_len+lengths[s]``. One row
         is a crop (a view), not a copy of the whole cache."""
+        if isinstance(cache, CacheView):
+            return cache.concat_rows(base_len, lengths)
         if len(lengths) == 1:
             if cls.cache_rows(cache) > 1:
                 cls.select(cache, [0])

@@ -1,0 +1,269 @@
+"""A KV cache for a batch of sequences whose rows have different lengths (batched decoding).
+
+Several sequences decode together; each owns one or more rows of one shared cache (ReFusion's Stage
+II-b gives a sequence one row per chosen slot), and every row has its own length. Layout per layer:
+``keys, values [R, n_kv_heads, C, head_dim]`` with capacity ``C``; row ``r`` holds its ``lengths[r]``
+tokens at columns ``0 .. lengths[r]-1``, in the order the sequence's single-row cache would hold them.
+A forward writes each row's new tokens right after that row's own length (a per-row offset, no gaps)
+and attends with a per-row mask, so no row ever pays for another row's length beyond the padding of
+the key dimension to the longest row. Crop is a change of a host integer; only forking, merging and
+dropping rows copy tensors (a gather over rows).
+
+A sequence sees its rows through a :class:`CacheView`, which :class:`~refusion.models.backend.Backbone`'s
+cache operations (``crop``, ``select``, ``repeat_rows``, ``concat_rows``, ``cache_len``, ``cache_rows``)
+and ``forward`` accept in place of a ``DynamicCache``, so a decoding loop runs unchanged on either. The
+forward calls of several sequences are run as one model call by :meth:`RaggedCache.forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+from refusion.core.host import from_host
+
+
+@dataclass
+class ForwardRequest:
+    """One sequence's forward: ``ids, pos [r, T]`` fed after its cache's rows (``r`` = its rows), KV kept or
+    not, logits at ``logits_at`` (a slice or a list/1-D CPU index tensor of fed positions, or None). The
+    cache is a :class:`CacheView` in a batch, a ``DynamicCache`` (or None) when a sequence decodes alone."""
+
+    cache: "CacheView"
+    ids: Tensor
+    pos: Tensor
+    keep_kv: bool = True
+    logits_at: slice | list[int] | Tensor | None = field(default_factory=lambda: slice(None))
+
+    def columns(self) -> list[int]:
+        """The fed positions whose logits the request reads, as host integers."""
+        T = self.ids.shape[-1]
+        if self.logits_at is None:
+            return []
+        if isinstance(self.logits_at, slice):
+            return list(range(*self.logits_at.indices(T)))
+        if isinstance(self.logits_at, Tensor):
+            if self.logits_at.device.type != "cpu":
+                raise ValueError("a batched forward takes logits positions built on the host (a list or CPU tensor)")
+            return [int(i) for i in self.logits_at.numpy()]
+        return [int(i) for i in self.logits_at]
+
+
+class _OffsetLayer(DynamicLayer):
+    """One layer of one forward: writes the new KV of row r at columns ``offsets[r] ..`` of the buffers and
+    returns the first ``width`` columns for attention."""
+
+    def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.offsets, self.past, self.width = offsets, past, width
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        R, H, T, D = key_states.shape
+        index = self.offsets[:, None] + torch.arange(T, device=self.offsets.device)  # [R, T]
+        index = index[:, None, :, None].expand(R, H, T, D)
+        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+
+    def get_seq_length(self) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+
+class RaggedCache:
+    """The shared KV of a batch (see the module docstring). ``lengths`` and the views' rows live on the
+    host; the buffers are allocated at the first forward and grow by doubling."""
+
+    def __init__(self, backbone) -> None:
+        self.backbone = backbone
+        cfg = backbone.model.config
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.lengths: list[int] = []  # per row
+        self.views: list[CacheView] = []
+
+    # ------------------------------------------------------------------ rows
+    def new_view(self) -> "CacheView":
+        """A new sequence with one empty row (the last row of the batch)."""
+        view = CacheView(self, [len(self.lengths)])
+        self.lengths.append(0)
+        self.views.append(view)
+        if self.keys:
+            self.keys = [torch.cat([k, k.new_zeros((1, *k.shape[1:]))]) for k in self.keys]
+            self.values = [torch.cat([v, v.new_zeros((1, *v.shape[1:]))]) for v in self.values]
+        return view
+
+    def _set_rows(self, view: "CacheView", new_rows: list[int]) -> None:
+        """Replace ``view``'s rows by ``new_rows`` (indices of current rows, repeats allowed), keeping every
+        other view's rows and the row order of the batch otherwise."""
+        order: list[int] = []
+        placed = False
+        for r in range(len(self.lengths)):
+            if r in view.rows:
+                if not placed:
+                    order.extend(new_rows)
+                    placed = True
+            else:
+                order.append(r)
+        others = [v for v in self.views if v is not view]
+        owner = {r: v for v in others for r in v.rows}
+        if self.keys:
+            index = from_host(order, self.keys[0].device, torch.long)
+            self.keys = [k.index_select(0, index) for k in self.keys]
+            self.values = [v.index_select(0, index) for v in self.values]
+        self.lengths = [self.lengths[r] for r in order]
+        new_view_rows: list[int] = []
+        other_rows: dict[int, list[int]] = {}
+        mine = set(view.rows)
+        for i, r in enumerate(order):
+            if r in mine:
+                new_view_rows.append(i)
+            else:
+                other_rows.setdefault(id(owner[r]), []).append(i)
+        view.rows = new_view_rows
+        for v in others:
+            v.rows = other_rows.get(id(v), [])
+        if not view.rows:
+            self.views.remove(view)
+
+    # ------------------------------------------------------------------ forward
+    def _ensure(self, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        R = len(self.lengths)
+        if self.keys and self.keys[0].shape[2] >= capacity:
+            return
+        old = self.keys[0].shape[2] if self.keys else 0
+        C = max(capacity, 2 * old, 64)
+        shape = (R, self.n_kv_heads, C, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
+        new_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
+        for i in range(len(self.keys)):
+            new_k[i][:, :, :old] = self.keys[i]
+            new_v[i][:, :, :old] = self.values[i]
+        self.keys, self.values = new_k, new_v
+
+    def forward(self, requests: list[ForwardRequest], pad_id: int) -> list[Tensor | None]:
+        """Run every request in ONE model call (one forward of the backbone); returns each request's logits
+        ``[r, n, V]`` (its rows, its ``logits_at`` positions), or None where it asked for none.
+
+        Rows are padded on the right to the longest request's length; a padding token is written after
+        the row's real ones and never counted (the row's length advances by its real tokens only, and
+        only with ``keep_kv``). Each row attends causally to its own tokens (mask: key ``j`` visible to
+        new token ``t`` iff ``j <= lengths[r] + t``). Logits are computed at the union of the requested
+        positions."""
+        bb = self.backbone
+        dev, dtype = bb.device, bb.model.dtype
+        rows = [r for req in requests for r in req.cache.rows]
+        if len(set(rows)) != len(rows):
+            raise ValueError("two requests of one batched forward share a cache row")
+        T = max(req.ids.shape[-1] for req in requests)
+        lengths = [self.lengths[r] for r in rows]
+        past = max(lengths)
+        self._ensure(past + T, dev, dtype)
+        full = rows == list(range(len(self.lengths)))
+        if full:
+            keys, values = self.keys, self.values
+        else:
+            index = from_host(rows, dev, torch.long)
+            keys = [k.index_select(0, index) for k in self.keys]
+            values = [v.index_select(0, index) for v in self.values]
+        ids = torch.cat([_pad_right(req.ids.to(dev), T, pad_id) for req in requests])  # [R', T]
+        pos = torch.cat([_pad_right(req.pos.to(dev), T, 0) for req in requests])  # [R', T]
+        offsets = from_host(lengths, dev, torch.long)  # [R']
+        width = past + T
+        visible = torch.arange(width, device=dev)[None, None, :] <= (
+            offsets[:, None, None] + torch.arange(T, device=dev)[None, :, None])  # [R', T, width]
+        mask = torch.where(visible, torch.zeros((), dtype=dtype, device=dev), torch.finfo(dtype).min)[:, None]
+        cache = Cache(layers=[_OffsetLayer(k, v, offsets, past, width) for k, v in zip(keys, values)])
+        wanted = [req.columns() for req in requests]
+        union = sorted(set(c for cols in wanted for c in cols))
+        logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
+                            logits_at=from_host(union, dev, torch.long) if union else None)  # [R', n_union, V]
+        if not full:
+            for i in range(self.n_layers):
+                self.keys[i].index_copy_(0, index, keys[i])
+                self.values[i].index_copy_(0, index, values[i])
+        out: list[Tensor | None] = []
+        at = 0
+        place = {c: i for i, c in enumerate(union)}
+        for req, cols in zip(requests, wanted):
+            r = len(req.cache.rows)
+            if req.keep_kv:
+                for row in req.cache.rows:
+                    self.lengths[row] += req.ids.shape[-1]
+            if req.logits_at is None:
+                out.append(None)
+            else:
+                mine = logits[at : at + r]
+                if cols != union:
+                    mine = mine[:, from_host([place[c] for c in cols], dev, torch.long)]
+                out.append(mine)
+            at += r
+        return out
+
+
+def _pad_right(t: Tensor, width: int, value: int) -> Tensor:
+    if t.dim() == 1:
+        t = t[None]
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)], dim=1)
+
+
+class CacheView:
+    """One sequence's rows of a :class:`RaggedCache`; the cache operations of a single-sequence
+    ``DynamicCache`` (:class:`~refusion.models.backend.Backbone` dispatches to these)."""
+
+    def __init__(self, owner: RaggedCache, rows: list[int]) -> None:
+        self.owner, self.rows = owner, rows
+
+    def __len__(self) -> int:  # rows
+        return len(self.rows)
+
+    def length(self) -> int:
+        return max(self.owner.lengths[r] for r in self.rows)
+
+    def crop(self, length: int) -> None:
+        for r in self.rows:
+            if self.owner.lengths[r] < length:
+                raise ValueError(f"cannot crop a cache row of {self.owner.lengths[r]} tokens to {length}")
+            self.owner.lengths[r] = length
+
+    def repeat_rows(self, n: int) -> None:
+        self.owner._set_rows(self, [r for r in self.rows for _ in range(n)])
+
+    def select(self, rows: list[int]) -> None:
+        self.owner._set_rows(self, [self.rows[i] for i in rows])
+
+    def release(self) -> None:
+        """The sequence has finished: its rows leave the batch."""
+        if self.rows:
+            self.owner._set_rows(self, [])
+
+    def concat_rows(self, base_len: int, lengths: list[int]) -> None:
+        """Row 0 keeps ``[:base_len]`` and gets row s's ``base_len .. base_len+lengths[s]`` appended for every
+        s in order; the other rows are dropped."""
+        first = self.rows[0]
+        total = base_len + sum(lengths)
+        if len(lengths) > 1:
+            o = self.owner
+            dev = o.keys[0].device
+            src_rows = [self.rows[s] for s, n in enumerate(lengths) for _ in range(n)]
+            src_cols = [base_len + j for n in lengths for j in range(n)]
+            rows_t, cols_t = from_host(src_rows, dev, torch.long), from_host(src_cols, dev, torch.long)
+            o._ensure(total, dev, o.keys[0].dtype)
+            for store in (o.keys, o.values):
+                for i, t in enumerate(store):
+                    gathered = t[rows_t, :, cols_t]  # [n, H, D]
+                    t[first, :, base_len:total] = gathered.transpose(0, 1)
+        self.owner.lengths[first] = total
+        self.owner._set_rows(self, [first])
