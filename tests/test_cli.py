@@ -44,3 +44,21 @@ def test_plugins_lists_kinds_and_origins(capsys):
     kinds = {(r["kind"], r["name"]) for r in rows}
     assert ("decoder", "refusion") in kinds and ("cache", "kv_recompute") in kinds and ("scorer", "margin") in kinds
     assert all(r["origin"].startswith("builtin ") for r in rows)
+
+
+def test_batch_size_flags_are_wired(capsys):
+    from refusion.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--batch-size", "4"]).batch_size == 4
+    assert parser.parse_args(["bench"]).batch_size is None  # the config's batch_size, else 1
+    assert parser.parse_args(["ablate", "x.yaml", "--batch-size", "8"]).batch_size == 8
+    a = parser.parse_args(["batch-bench", "--batch-sizes", "1,8"])
+    assert a.batch_sizes == "1,8" and a.time_forwards is None
+    assert parser.parse_args(["eval", "--model", "m", "--tasks", "t", "--batch-size", "8"]).batch_size == 8
+
+
+def test_eval_batch_size_zero_is_refused_before_loading(capsys):
+    pytest.importorskip("lm_eval")
+    assert main(["eval", "--model", "no-such-model", "--tasks", "x", "--batch-size", "0"]) == 2
+    assert "batch_size: must be a positive integer or 'auto', got 0" in capsys.readouterr().err

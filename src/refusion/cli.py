@@ -1,4 +1,4 @@
-"""The ``refusion`` command line: generate, plugins, bench, ablate, train, eval."""
+"""The ``refusion`` command line: generate, plugins, bench, batch-bench, profile, ablate, results, train, eval."""
 
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
 
     from refusion.experiments.ablate import add_ablate_command
+    from refusion.experiments.batching import add_batching_command
     from refusion.experiments.bench import add_bench_command
     from refusion.experiments.profile import add_profile_command
     from refusion.experiments.results import add_results_command
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     from refusion.training.cli import add_train_command
 
     add_bench_command(sub)
+    add_batching_command(sub)
     add_profile_command(sub)
     add_ablate_command(sub)
     add_results_command(sub)

@@ -171,3 +171,45 @@ def test_long_context_is_left_truncated_to_fit(models):
     [text] = lm.generate_until([gen("ab " * 400, until=[])])  # 1200 tokens > 512 positions
     rec = lm.records[-1]
     assert rec["prompt_tokens"] == lm.max_length - 8 and isinstance(text, str)
+
+
+def test_batch_size_groups_requests_into_generate_batch_chunks_in_request_order(models, monkeypatch):
+    """batch_size=2: requests of one gen_length share chunks of at most 2 (one generate_batch call each),
+    and the texts come back in request order, each cut at its own stop strings."""
+    from refusion.core import interfaces
+
+    calls = []
+
+    def spy(self, prompts):  # decodes each prompt alone: the chunking, not the batched loop, is under test
+        calls.append((self.options.gen_length, len(prompts)))
+        return [self.generate(p) for p in prompts]
+
+    reqs = [gen("abc\n", until=[]), gen("b\n", until=[], max_gen_toks=5), gen("ca\n", until=[]),
+            gen("dd\n", until=[], max_gen_toks=5), gen("e\n", until=[]), gen("abc\n", until=["zz"])]
+    single = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=12)
+    expected = single.generate_until(reqs)
+    lm = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=12, batch_size="2")
+    assert lm.batch_size == 2
+    monkeypatch.setattr(interfaces.Decoder, "generate_batch", spy)
+    assert lm.generate_until(reqs) == expected
+    assert calls == [(12, 2), (12, 2), (5, 2)]  # requests 0, 2 | 4, 5 (gen_length 12) | 1, 3 (gen_length 5)
+    assert [r["gen_length"] for r in lm.records] == [12, 12, 12, 12, 5, 5]
+    assert all(r["batch_size"] == 2 and r["batch_samples"] == 2 for r in lm.records)
+    assert "batch_size" not in single.records[0]
+
+
+def test_batched_stats_are_aggregate_throughput_and_bad_batch_sizes_name_the_field(models):
+    from refusion.eval.lm_eval_adapter import parse_batch_size
+
+    lm = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=4)
+    recs = [{"generated_tokens": 4, "nfe": 4, "wall_s": w, "batch_size": 2, "batch_samples": 2, "batch_wall_s": 1.0}
+            for w in (0.5, 1.0)]
+    stats = lm.summary(recs)
+    assert stats["tokens_per_second"] == pytest.approx(8 / 1.0) and stats["latency_s_mean"] == pytest.approx(0.75)
+    assert parse_batch_size(None) == 1 and parse_batch_size(3) == 3 and parse_batch_size("auto") == 1
+    assert parse_batch_size("auto:4", max_batch_size=8) == 8
+    for bad in (0, "x", -1, "2.5"):
+        with pytest.raises(ConfigError, match="batch_size: must be a positive integer or 'auto'"):
+            RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=4, batch_size=bad)
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        parse_batch_size("auto", max_batch_size=0)

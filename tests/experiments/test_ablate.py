@@ -81,3 +81,20 @@ def test_plots_are_byte_identical_when_redrawn(tmp_path):
         plot(rows, PlotSpec(x="tpf", connect=True), out, "f")
     for name in ("f.png", "f.svg"):
         assert (first / name).read_bytes() == (second / name).read_bytes()
+
+
+def test_batch_size_from_the_file_or_the_flag(setup, tmp_path):
+    spec = yaml.safe_load(setup.read_text())
+    assert {r.batch_size for r in build_runs(load_ablation(setup))} == {1}
+    path = tmp_path / "b.yaml"
+    path.write_text(yaml.safe_dump({**spec, "batch_size": 2}))
+    assert {r.batch_size for r in build_runs(load_ablation(path))} == {2}
+    assert {r.batch_size for r in build_runs(load_ablation(path), batch_size=3)} == {3}  # --batch-size wins
+    rows = run_ablation(path, tmp_path / "out")
+    assert all(r["batch_size"] == 2 and r["n"] == 2 for r in rows)
+    assert "batch size 2" in (tmp_path / "out" / "summary.md").read_text()
+    path.write_text(yaml.safe_dump({**spec, "batch_size": 0}))
+    with pytest.raises(ConfigError, match="batch_size: Input should be greater than or equal to 1"):
+        load_ablation(path)
+    with pytest.raises(ConfigError, match="--batch-size: must be an integer of at least 1, got -1"):
+        build_runs(load_ablation(setup), batch_size=-1)

@@ -125,3 +125,111 @@ def test_goal_lines_compare_each_decoder_with_ar_of_its_task():
         "arith: block 4.00x ar's tokens/s, -2.5 points (97.0% vs 99.5%, n 200): goal not met",
         "facts: refusion 1.80x ar's tokens/s, +1.0 points (99.0% vs 98.0%, n 200): goal not met",
     ]
+
+
+def test_batched_bench_decodes_chunks_and_reports_aggregate_throughput(tmp_path, bench_config, monkeypatch):
+    """--batch-size 2: the samples of a task go through generate_batch in chunks of 2 (the last one
+    shorter); tokens/s is total tokens / total chunk wall time, latency the mean per-sample latency."""
+    from refusion.core import interfaces
+
+    monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 6)
+    chunks = []
+    orig = interfaces.Decoder.generate_batch
+    monkeypatch.setattr(interfaces.Decoder, "generate_batch",
+                        lambda self, ps: chunks.append((self.name, len(ps))) or orig(self, ps))
+    rows = run_bench(tasks=["facts"], decoders=["ar", "refusion"], limit=5, out=tmp_path / "out",
+                     config=str(bench_config), batch_size=2)
+    assert chunks == [("ar", 2), ("refusion", 2)] + [("ar", 2), ("refusion", 2), ("ar", 2), ("refusion", 2),
+                                                      ("ar", 1), ("refusion", 1)]  # warm-ups, then interleaved
+    recs = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert sorted((r["run"], r["idx"]) for r in recs) == sorted((d, i) for d in ("ar", "refusion") for i in range(5))
+    for r in recs:
+        assert r["batch_size"] == 2 and r["batch"] == r["idx"] - r["idx"] % 2
+        assert r["batch_samples"] == (1 if r["idx"] == 4 else 2) and r["batch_wall_s"] > 0
+    for row in rows:
+        assert row["batch_size"] == 2 and row["n"] == 5
+        rs = [r for r in recs if r["run"] == row["run"]]
+        walls = {r["batch"]: r["batch_wall_s"] for r in rs}  # one wall time per chunk
+        tokens = sum(r["generated_tokens"] for r in rs)
+        assert row["tokens_per_second"] == pytest.approx(tokens / sum(walls.values()))
+        assert row["latency_s_mean"] == pytest.approx(sum(r["wall_s"] for r in rs) / 5)
+    assert json.loads((tmp_path / "out" / "results.json").read_text()) == rows
+
+
+def test_batched_run_killed_midway_resumes_with_the_samples_not_written(tmp_path, bench_config, monkeypatch):
+    from refusion.core import interfaces
+    from refusion.experiments import records
+
+    monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 6)
+    args = dict(tasks=["facts"], decoders=["ar"], limit=5, out=tmp_path / "out", config=str(bench_config), batch_size=2)
+    orig_write = records.RecordWriter.write
+    written = []
+
+    def dying_write(self, rec):  # killed after 3 records: inside the second chunk (samples 2, 3)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        written.append(rec["idx"])
+        orig_write(self, rec)
+
+    monkeypatch.setattr(records.RecordWriter, "write", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(**args)
+    assert written == [0, 1, 2]
+    monkeypatch.setattr(records.RecordWriter, "write", orig_write)
+    chunks = []
+    orig = interfaces.Decoder.generate_batch
+    monkeypatch.setattr(interfaces.Decoder, "generate_batch", lambda self, ps: chunks.append(len(ps)) or orig(self, ps))
+    rows = run_bench(**args, resume=True)
+    assert chunks == [2, 2]  # the warm-up, then one chunk of the samples left: 3 and 4
+    recs = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert sorted(r["idx"] for r in recs) == [0, 1, 2, 3, 4]  # every sample written once
+    assert [r["batch"] for r in recs] == [0, 0, 2, 3, 3]
+    assert rows[0]["n"] == 5 and rows[0]["batch_size"] == 2
+    from refusion.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="batch_size: .* decoded at batch size 2, not 1"):
+        run_bench(**{**args, "batch_size": 1}, resume=True)
+
+
+def test_batch_size_one_keeps_the_records_and_tables_unchanged(tmp_path, bench_config, monkeypatch):
+    from refusion.core import interfaces
+    from refusion.experiments.runner import markdown_table
+
+    monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 4)
+    monkeypatch.setattr(interfaces.Decoder, "generate_batch", lambda self, ps: pytest.fail("batch size 1 batches"))
+    rows = run_bench(tasks=["facts"], decoders=["ar"], limit=2, out=tmp_path / "o", config=str(bench_config))
+    rec = json.loads((tmp_path / "o" / "samples.jsonl").read_text().splitlines()[0])
+    assert list(rec) == ["run", "task", "idx", "decoder", "model", "correct", "generated_tokens", "nfe", "wall_s",
+                         "completion", "token_ids"]
+    assert "batch_size" not in rows[0]
+    assert markdown_table(rows).splitlines()[0] == "| task | run | n | acc % | tok/s | TPF | NFE | latency s | speed-up |"
+    assert "| batch_size |" in markdown_table([{**rows[0], "batch_size": 4}])
+
+
+def test_summarize_batched_records_count_each_chunk_wall_once():
+    def rec(idx, wall, chunk_wall, samples):
+        return {"run": "ar", "task": "t", "idx": idx, "correct": True, "generated_tokens": 10, "nfe": 10,
+                "wall_s": wall, "batch_size": 2, "batch": idx - idx % 2, "batch_samples": samples,
+                "batch_wall_s": chunk_wall}
+
+    recs = [rec(0, 0.5, 1.0, 2), rec(1, 1.0, 1.0, 2), rec(2, 0.5, 0.5, 1)]
+    [row] = summarize(recs, [Run("ar", "m", {"t": {"decoder": "ar"}}, batch_size=2)])
+    assert row["tokens_per_second"] == pytest.approx(30 / 1.5)  # not 30 / 2.0 (the sum of latencies)
+    assert row["latency_s_mean"] == pytest.approx(2.0 / 3) and row["batch_size"] == 2
+
+
+def test_bad_batch_size_names_the_field(tmp_path, bench_config, capsys):
+    from refusion.cli import main
+    from refusion.core.config import ConfigError
+    from refusion.experiments.bench import load_bench_config
+
+    assert main(["bench", "--batch-size", "0", "--config", str(bench_config), "--out", str(tmp_path / "o")]) == 2
+    assert "--batch-size: must be an integer of at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**yaml.safe_load(bench_config.read_text()), "batch_size": 0}))
+    with pytest.raises(ConfigError, match="batch_size"):
+        load_bench_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump({**yaml.safe_load(bench_config.read_text()), "batch_size": 3}))
+    assert load_bench_config(good).batch_size == 3

@@ -2,7 +2,7 @@
 
 ::
 
-    refusion eval --model runs/m --tasks tinybench_arith,tinybench_facts --limit 20
+    refusion eval --model runs/m --tasks tinybench_arith,tinybench_facts --limit 20 [--batch-size 8]
     refusion eval --model /ckpt/ReFusion --tasks gsm8k_cot --config src/refusion/eval/configs/gsm8k_cot.yaml \\
         --apply-chat-template --gen-length-from config --device cuda --dtype bfloat16 --output out/gsm8k.json
     accelerate launch -m refusion.eval --model ... --tasks ...       # data parallel: one process per GPU
@@ -55,6 +55,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-length-from", choices=["task", "config"], default="task",
                    help="task: a request's max_gen_toks is gen_length; config: always the config's (the reference's way)")
     p.add_argument("--warmup", type=int, default=None, help="untimed decodes before timing (default 1 on cuda, 0 on cpu)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="requests per Decoder.generate_batch call (default 1); tokens/s is then the aggregate throughput")
     p.add_argument("--confirm-run-unsafe-code", action="store_true", help="allow code-execution metrics (mbpp, humaneval)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap-iters", type=int, default=1000)
@@ -101,7 +103,7 @@ def run_eval(args: argparse.Namespace) -> int:
     lm = RefusionLM(
         pretrained=args.model, config=_decoder_config(args), **runtime_from_args(args).model_dump(),
         trust_remote_code=args.trust_remote_code, family=args.family, gen_length_from=args.gen_length_from,
-        warmup=args.warmup,
+        warmup=args.warmup, batch_size=args.batch_size,
     )
     limit = args.limit
     if limit is not None and limit >= 1:

@@ -25,8 +25,13 @@ Model arguments (``model_args``; the harness also passes ``batch_size``, ``max_b
 - ``stats_path``: append one JSON line of decode statistics per request (per rank: ``{rank}`` in the
   path is replaced).
 
-``generate_until`` decodes one request at a time (the decoders are batch-1 loops; ``batch_size`` is
-accepted and ignored), cuts the text at the first ``until`` string, and records tokens / NFE / time.
+``generate_until`` decodes the requests in chunks of ``batch_size`` (default 1: one request at a time,
+in request order) through ``Decoder.generate_batch``; a chunk holds requests with the same decoder
+config (the same ``gen_length``), in request order within each length, and the results return in
+request order. ``batch_size='auto'`` (the harness's memory probe) is read as ``max_batch_size`` (1 when
+not given). Each text is cut at the request's first ``until`` string, and each request records tokens /
+NFE / time (in a chunk: its latency from the chunk's start, and the chunk's size and wall time, so that
+:meth:`RefusionLM.summary`'s tokens/s is the aggregate throughput).
 When a request's length makes the config invalid (``serial_blocks`` must divide the slot count, ...),
 the smallest valid ``gen_length`` above it is used and the output cut back to the request's length.
 
@@ -80,6 +85,25 @@ def distributed_world(cpu: bool) -> tuple[int, int, Any]:
     return 0, 1, None
 
 
+def parse_batch_size(batch_size: int | str | None, max_batch_size: int | str | None = None) -> int:
+    """The harness's ``batch_size`` (an integer, its text, ``auto`` or ``auto:N``; None: 1) as a number of
+    requests per chunk; ``auto`` is ``max_batch_size`` (1 when not given): there is no memory probe."""
+    def number(value: Any, field: str) -> int:
+        text = str(value).strip()
+        if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"{field}: must be a positive integer or 'auto', got {value!r}")
+        return int(text)
+
+    if batch_size is None:
+        return 1
+    if isinstance(batch_size, str) and batch_size.strip().lower().startswith("auto"):
+        n = number(max_batch_size, "max_batch_size") if max_batch_size is not None else 1
+        log.warning("batch_size=%s: this adapter does not probe memory; decoding %d request(s) per chunk "
+                    "(set max_batch_size or a number)", batch_size, n)
+        return n
+    return number(batch_size, "batch_size")
+
+
 def cut_at_stop(text: str, until: list[str]) -> str:
     """``text`` up to (not including) the first occurrence of any stop string."""
     cut = len(text)
@@ -122,6 +146,7 @@ class RefusionLM(LM):
 
         if gen_length_from not in ("task", "config"):
             raise ConfigError(f"gen_length_from must be 'task' or 'config', got {gen_length_from!r}")
+        chunk = parse_batch_size(batch_size, max_batch_size)  # a bad value fails before a model loads
         want = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if backbone is None:  # an unknown or unavailable option fails before joining a process group
             Runtime.resolve(device=want, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map)
@@ -172,7 +197,7 @@ class RefusionLM(LM):
         self.gen_length_from = gen_length_from
         self.warmup = int(warmup) if warmup is not None else (1 if self._device.type == "cuda" else 0)
         self._warmed = False
-        self.batch_size = batch_size
+        self.batch_size = chunk
         self.max_length = int(max_length) if max_length else backbone.max_positions
         self.stats_path = stats_path.replace("{rank}", str(self._rank)) if stats_path else None
         self.records: list[dict[str, Any]] = []  # one per generate_until request (this rank)
@@ -269,8 +294,8 @@ class RefusionLM(LM):
         return int(bos) if bos is not None else min(self.backbone.eos_ids)
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        out: list[str] = []
-        for req in tqdm(requests, desc="refusion generate_until", disable=disable_tqdm or self.rank != 0):
+        prepared = []  # per request: (context, gen_kwargs, until, gen_length, decoder, prompt ids)
+        for req in requests:
             context, gen_kwargs = req.args
             gen_kwargs = dict(gen_kwargs or {})
             until = gen_kwargs.get("until") or []
@@ -282,19 +307,42 @@ class RefusionLM(LM):
             gen_length = self._gen_length(gen_kwargs)
             decoder = self.decoder_for(gen_length)
             ids = self._encode_context(context, getattr(decoder.options, "padded_length", decoder.options.gen_length))
-            if not self._warmed:
-                for _ in range(self.warmup):  # untimed: one-off costs (allocator, kernels) stay out of the stats
-                    decoder.generate(ids)
-                self._warmed = True
-            result = decoder.generate(ids)
-            tokens = result.token_ids[:gen_length]
-            text = result.text if len(tokens) == len(result.token_ids) else self.tokenizer.decode(tokens, skip_special_tokens=True)
-            text = cut_at_stop(text, until)
-            s = result.stats
-            self._record({"prompt_tokens": len(ids), "generated_tokens": s.generated_tokens, "nfe": s.nfe,
-                          "wall_s": s.wall_s, "gen_length": gen_length})
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            out.append(text)
+            prepared.append((context, gen_kwargs, until, gen_length, decoder, ids))
+        size = self.batch_size
+        if size == 1:  # one request at a time, in request order
+            chunks = [[j] for j in range(len(prepared))]
+        else:  # requests of one decoder config (one gen_length) share a chunk, in request order
+            by_length: dict[int, list[int]] = {}
+            for j, p in enumerate(prepared):
+                by_length.setdefault(p[3], []).append(j)
+            chunks = [js[c:c + size] for js in by_length.values() for c in range(0, len(js), size)]
+        out: list[str] = [""] * len(prepared)
+        with tqdm(total=len(prepared), desc="refusion generate_until", disable=disable_tqdm or self.rank != 0) as bar:
+            for chunk in chunks:
+                decoder = prepared[chunk[0]][4]
+                prompts = [prepared[j][5] for j in chunk]
+                if not self._warmed:
+                    for _ in range(self.warmup):  # untimed: one-off costs (allocator, kernels) stay out of the stats
+                        decoder.generate(prompts[0]) if size == 1 else decoder.generate_batch(prompts)
+                    self._warmed = True
+                results = [decoder.generate(prompts[0])] if size == 1 else decoder.generate_batch(prompts)
+                batch: dict[str, Any] = {}
+                if size > 1:
+                    wall = results[0].stats.batch_wall_s
+                    batch = {"batch_size": size, "batch_samples": len(chunk),
+                             "batch_wall_s": wall if wall is not None else sum(r.stats.wall_s for r in results)}
+                for j, result in zip(chunk, results):
+                    context, gen_kwargs, until, gen_length, _, ids = prepared[j]
+                    tokens = result.token_ids[:gen_length]
+                    text = result.text if len(tokens) == len(result.token_ids) else \
+                        self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    text = cut_at_stop(text, until)
+                    s = result.stats
+                    self._record({"prompt_tokens": len(ids), "generated_tokens": s.generated_tokens, "nfe": s.nfe,
+                                  "wall_s": s.wall_s, "gen_length": gen_length, **batch})
+                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                    out[j] = text
+                bar.update(len(chunk))
         return out
 
     def _record(self, rec: dict[str, Any]) -> None:
@@ -306,13 +354,16 @@ class RefusionLM(LM):
                 fh.write(json.dumps(rec) + "\n")
 
     def summary(self, records: list[dict[str, Any]] | None = None) -> dict[str, float]:
-        """Tokens/s (total tokens / total decode time), TPF (tokens / forwards), mean NFE and latency."""
+        """Tokens/s (total tokens / total decode time: a chunk of requests counts its wall time once, so
+        this is the aggregate throughput), TPF (tokens / forwards), mean NFE and mean per-request latency."""
         rs = self.records if records is None else records
         if not rs:
             return {}
-        tokens, nfe, wall = (sum(r[k] for r in rs) for k in ("generated_tokens", "nfe", "wall_s"))
+        tokens, nfe, latency = (sum(r[k] for r in rs) for k in ("generated_tokens", "nfe", "wall_s"))
+        wall = sum(r["batch_wall_s"] / r["batch_samples"] if r.get("batch_wall_s") is not None else r["wall_s"]
+                   for r in rs)
         return {"requests": len(rs), "tokens_per_second": tokens / wall if wall else 0.0,
-                "tpf": tokens / nfe if nfe else 0.0, "nfe_mean": nfe / len(rs), "latency_s_mean": wall / len(rs),
+                "tpf": tokens / nfe if nfe else 0.0, "nfe_mean": nfe / len(rs), "latency_s_mean": latency / len(rs),
                 "generated_tokens_mean": tokens / len(rs)}
 
     # ---------------------------------------------------------------------- likelihoods

@@ -20,11 +20,14 @@ starts from the bench's per-task settings for its decoder (``configs/bench.yaml`
       - {x: tpf, y: accuracy}              # one point per run, per task (connect: true joins each decoder's)
       - {x: selector.slot_threshold, y: accuracy}   # a line per task along a swept knob
     runtime: {device: cuda, dtype: bfloat16}   # optional: device, dtype, attn_implementation, device_map
+    batch_size: 4                          # optional: samples per generate_batch call (default 1)
 
 ``bench_config`` (default ``configs/bench.yaml``) gives the models and per-task settings runs start from.
 A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder. ``runtime``
 (how every model loads: :class:`~refusion.models.loading.Runtime`) overrides the bench config's
-``runtime`` option by option, and the command-line flags override both.
+``runtime`` option by option, and the command-line flags override both. ``batch_size`` (default: the
+bench config's, else 1; ``--batch-size`` overrides it) decodes each run's samples in chunks through
+``Decoder.generate_batch``; tokens/s is then the aggregate throughput (``runner.py``).
 
 The evaluation engine is the bench's (``runner.py``): every finished sample is appended to
 ``OUT/samples.jsonl`` at once and ``--resume`` skips finished work. Writes ``results.json``,
@@ -42,7 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from refusion.core.config import ConfigError
 from refusion.experiments.bench import load_bench_config
-from refusion.experiments.runner import Run, evaluate, markdown_table, print_table, set_threads, summarize, write_json
+from refusion.experiments.runner import (
+    Run, check_batch_size, evaluate, markdown_table, print_table, set_threads, summarize, write_json,
+)
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -87,6 +92,8 @@ class AblationConfig(Strict):
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
                                     description="device, dtype, attn_implementation, device_map: over the bench "
                                                 "config's runtime, under the flags")
+    batch_size: int | None = Field(None, ge=1, description="samples per Decoder.generate_batch call (default: the "
+                                                           "bench config's batch_size; --batch-size overrides)")
 
     @model_validator(mode="after")
     def _has_runs(self) -> "AblationConfig":
@@ -113,10 +120,13 @@ def _fmt(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def build_runs(cfg: AblationConfig) -> list[Run]:
+def build_runs(cfg: AblationConfig, batch_size: int | None = None) -> list[Run]:
+    """The runs of ``cfg``, each decoding in chunks of ``batch_size`` (default: the file's ``batch_size``,
+    else the bench config's)."""
     from refusion.tasks import get_task
 
     bench = load_bench_config(cfg.bench_config)
+    batch_size = check_batch_size(batch_size) or cfg.batch_size or bench.batch_size
     specs: list[tuple[str, str, str | None, dict[str, Any], dict[str, Any]]] = [
         (r.label, r.decoder, r.model, r.set, {}) for r in cfg.runs]
     if cfg.grid:
@@ -133,7 +143,7 @@ def build_runs(cfg: AblationConfig) -> list[Run]:
         overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                      for k, v in sets.items()]
         configs = {t: bench.decoder_config(t, decoder, get_task(t).max_new_tokens, overrides) for t in cfg.tasks}
-        runs.append(Run(label=label, model=model, configs=configs, params=params))
+        runs.append(Run(label=label, model=model, configs=configs, params=params, batch_size=batch_size))
     return runs
 
 
@@ -196,11 +206,11 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
 
 
 def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,
-                 runtime: RuntimeOptions | None = None) -> list[dict[str, Any]]:
+                 runtime: RuntimeOptions | None = None, batch_size: int | None = None) -> list[dict[str, Any]]:
     """Run one ablation; models load with the bench config's ``runtime:``, overridden by the ablation's,
-    overridden by ``runtime`` (the flags)."""
+    overridden by ``runtime`` (the flags); ``batch_size`` (the flag) overrides the file's."""
     cfg = load_ablation(config)
-    runs = build_runs(cfg)
+    runs = build_runs(cfg, batch_size)
     limit = limit or cfg.limit
     options = load_bench_config(cfg.bench_config).runtime.override(cfg.runtime).override(runtime)
     records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, runtime=options, desc=cfg.name)
@@ -208,8 +218,10 @@ def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int
     write_json(out / "results.json", rows)
     extra = list(cfg.grid.axes) if cfg.grid else []
     figures = [plot(rows, spec, out, f"{cfg.name}_{i}")[0].name for i, spec in enumerate(cfg.plots)]
-    summary = [f"# {cfg.title or cfg.name}\n", f"{cfg.split} split, {limit or 'all'} samples per task; "
-               f"speed-up over `{cfg.baseline}`.\n" if cfg.baseline else f"{cfg.split} split, {limit or 'all'} samples per task.\n",
+    batch = f", batch size {runs[0].batch_size} (tokens/s: aggregate)" if runs and runs[0].batch_size > 1 else ""
+    summary = [f"# {cfg.title or cfg.name}\n", f"{cfg.split} split, {limit or 'all'} samples per task{batch}; "
+               f"speed-up over `{cfg.baseline}`.\n" if cfg.baseline else
+               f"{cfg.split} split, {limit or 'all'} samples per task{batch}.\n",
                markdown_table(rows, extra)] + [f"\n![{f}]({f})\n" for f in figures]
     (out / "summary.md").write_text("\n".join(summary))
     return rows
@@ -221,6 +233,9 @@ def add_ablate_command(sub) -> None:
     p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
     p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
     p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
+                        "(default: the file's batch_size, else the bench config's, else 1)")
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core; 1 beside another busy process)")
@@ -231,7 +246,7 @@ def cmd_ablate(a) -> int:
     set_threads(a.threads)
     cfg = load_ablation(a.config)
     out = Path(a.out or f"runs/ablate/{cfg.name}")
-    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a))
+    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a), a.batch_size)
     print_table(rows, title=cfg.title or cfg.name, extra=list(cfg.grid.axes) if cfg.grid else [])
     print(f"wrote {out / 'results.json'}, {out / 'summary.md'} and plots in {out}")
     return 0

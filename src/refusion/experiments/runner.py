@@ -6,6 +6,17 @@ sample to ``samples.jsonl`` at once (flushed), skips finished samples on ``resum
 row per (run, task): accuracy, tokens/s (total tokens / total decode time) and its per-sample median,
 TPF (tokens / forwards), mean NFE, mean latency, and the speed-up over a baseline run measured in the
 same run.
+
+A run with ``batch_size`` N > 1 sends the samples of each task still to do in chunks of N through
+:meth:`~refusion.core.interfaces.Decoder.generate_batch` (a decoder without a batched loop decodes a
+chunk one sample after another); each result is still one record, written as it comes back, so a
+resumed run forms its chunks from the samples not yet written. A batched record adds ``batch_size``,
+``batch`` (the index of its chunk's first sample), ``batch_samples`` (samples in the chunk) and
+``batch_wall_s`` (the chunk's decode wall time); its ``wall_s`` is its latency from the chunk's start
+(for a decoder without a batched loop: its own decode time). Chunks of all runs are interleaved by
+their first sample. A batched row's tokens/s is the aggregate throughput, total tokens / total chunk
+wall time (each record counts ``batch_wall_s / batch_samples``), and its latency the mean per-sample
+latency.
 """
 
 from __future__ import annotations
@@ -33,14 +44,35 @@ class Run:
     model: str
     configs: dict[str, dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)  # the swept values, for tables and plots
+    batch_size: int = 1  # samples per generate_batch call (1: one generate call per sample)
 
     @property
     def decoder(self) -> str:
         return next(iter(self.configs.values()))["decoder"]
 
 
+def decode_share_s(record: dict[str, Any]) -> float:
+    """The decode wall time a record accounts for: its ``wall_s``, or for a record decoded in a chunk of
+    several samples its equal share of the chunk's wall time (``batch_wall_s / batch_samples``), so that
+    the shares of a chunk's records add up to the chunk's wall time."""
+    if record.get("batch_wall_s") is None:
+        return record["wall_s"]
+    return record["batch_wall_s"] / record["batch_samples"]
+
+
+def forward_share_s(record: dict[str, Any]) -> float | None:
+    """The time in model forwards a record accounts for (recorded with ``time_forwards``; else None): its
+    ``forward_s``, or its equal share of its chunk's ``batch_forward_s``."""
+    if record.get("batch_forward_s") is not None:
+        return record["batch_forward_s"] / record["batch_samples"]
+    return record.get("forward_s")
+
+
 def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[dict[str, Any]]:
-    """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task."""
+    """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task.
+    Tokens/s is total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks'
+    wall time, so the aggregate throughput), latency the mean per-sample ``wall_s``; a batched run's
+    rows add ``batch_size``."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
         groups.setdefault((r["run"], r["task"]), []).append(r)
@@ -48,22 +80,35 @@ def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | No
     for run in runs:
         for task in sorted({t for (lbl, t) in groups if lbl == run.label}):
             rs = groups[run.label, task]
-            tokens, wall = sum(r["generated_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+            tokens, latency = sum(r["generated_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+            wall = sum(decode_share_s(r) for r in rs)
             nfe = sum(r["nfe"] for r in rs)
-            rows.append({
+            row = {
                 "run": run.label, "task": task, "decoder": run.decoder, "model": run.model, **run.params, "n": len(rs),
                 "accuracy": sum(r["correct"] for r in rs) / len(rs),
                 "tokens_per_second": tokens / wall if wall else 0.0,
                 "tokens_per_second_median": statistics.median(r["generated_tokens"] / r["wall_s"] for r in rs),
                 "tpf": tokens / nfe if nfe else 0.0,
                 "nfe_mean": nfe / len(rs),
-                "latency_s_mean": wall / len(rs),
+                "latency_s_mean": latency / len(rs),
                 "generated_tokens_mean": tokens / len(rs),
-            })
+            }
+            sizes = {r.get("batch_size", 1) for r in rs}
+            if sizes != {1}:
+                row["batch_size"] = max(sizes)  # one size per (run, task): evaluate refuses to mix them
+            rows.append(row)
     base = {r["task"]: r["tokens_per_second"] for r in rows if r["run"] == baseline}
     for r in rows:
         r["speedup"] = r["tokens_per_second"] / base[r["task"]] if base.get(r["task"]) else None
     return rows
+
+
+def check_batch_size(value: int | None, field: str = "--batch-size") -> int | None:
+    """``value`` when it is a batch size (an integer of at least 1, or None: not given); else a
+    :class:`ConfigError` naming ``field``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{field}: must be an integer of at least 1, got {value!r}")
+    return value
 
 
 def set_threads(threads: int | None) -> None:
@@ -82,9 +127,13 @@ def set_threads(threads: int | None) -> None:
 def evaluate(
     runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool = False,
     runtime: RuntimeOptions | None = None, desc: str = "eval", on_record: Callable[[dict], None] | None = None,
+    time_forwards: bool = False,
 ) -> list[dict[str, Any]]:
     """Decode every sample of every task with every run; return all records (old and new). Every model
-    loads with ``runtime`` (default: the CPU in float32), checked before any model loads."""
+    loads with ``runtime`` (default: the CPU in float32), checked before any model loads. Each run decodes
+    in chunks of its ``batch_size``. With ``time_forwards`` every model forward is timed
+    (:attr:`~refusion.models.backend.Backbone.time_forwards`: two synchronisations per forward on a GPU)
+    and each record adds ``forward_s`` (a batched one: ``batch_forward_s``, its chunk's)."""
     from refusion.models.tokenizer import encode_prompt
     from refusion.models.backend import Backbone
     from refusion.tasks import get_task
@@ -95,6 +144,8 @@ def evaluate(
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"run labels must be unique: {labels}")
+    for run in runs:
+        check_batch_size(run.batch_size, f"batch_size of run {run.label!r}")
     task_objs = [get_task(t) for t in tasks]
     out.mkdir(parents=True, exist_ok=True)
     samples_path = out / "samples.jsonl"
@@ -105,6 +156,12 @@ def evaluate(
             validate_config(run.configs[t])
     records = load_records(samples_path)
     done = done_keys(records, KEY)
+    size_of = {r.label: r.batch_size for r in runs}
+    for r in records:  # a resumed run keeps its batch size: its rows would mix two otherwise
+        if r["run"] in size_of and r["task"] in tasks and r.get("batch_size", 1) != size_of[r["run"]]:
+            raise ConfigError(f"batch_size: {samples_path} holds run {r['run']!r} on {r['task']!r} decoded at batch "
+                              f"size {r.get('batch_size', 1)}, not {size_of[r['run']]}; resume with that batch size "
+                              "or choose another --out")
 
     backbones: dict[str, Backbone] = {}
     decoders = {}
@@ -114,24 +171,67 @@ def evaluate(
         for t in tasks:
             decoders[run.label, t] = build_decoder(backbones[run.model], run.configs[t])
     examples = {t.name: t.examples(split, limit) for t in task_objs}
-    todo = [(t, i, run) for t in task_objs for i in range(len(examples[t.name])) for run in runs
-            if (run.label, t.name, i) not in done]
+    prompts: dict[tuple[str, str], list[list[int]]] = {}  # (model, task) -> encoded prompts
+
+    def prompt(run: Run, task: str, i: int) -> list[int]:
+        if (run.model, task) not in prompts:
+            tok = backbones[run.model].tokenizer
+            prompts[run.model, task] = [encode_prompt(tok, ex.query) for ex in examples[task]]
+        return prompts[run.model, task][i]
+
+    # chunks of the samples still to do, per (run, task); interleaved by their first sample, so that
+    # machine noise hits all runs alike (at batch size 1: sample by sample, run after run)
+    todo: list[tuple[int, int, int, list[int]]] = []  # (task order, first index, run order, indices)
+    for ti, t in enumerate(task_objs):
+        for ri, run in enumerate(runs):
+            left = [i for i in range(len(examples[t.name])) if (run.label, t.name, i) not in done]
+            for c in range(0, len(left), run.batch_size):
+                todo.append((ti, left[c], ri, left[c:c + run.batch_size]))
+    todo.sort(key=lambda c: c[:3])
     if todo:
-        for run in runs:  # warm-up, untimed, so the first timed sample pays no one-off costs
-            t0 = task_objs[0]
-            decoders[run.label, t0.name].generate(encode_prompt(backbones[run.model].tokenizer, examples[t0.name][0].query))
-    with RecordWriter(samples_path) as writer:
-        for task, i, run in tqdm(todo, desc=desc, unit="decode", dynamic_ncols=True):
-            ex = examples[task.name][i]
-            res = decoders[run.label, task.name].generate(encode_prompt(backbones[run.model].tokenizer, ex.query))
-            rec = {"run": run.label, "task": task.name, "idx": i, "decoder": run.decoder, "model": run.model,
-                   "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
-                   "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, "completion": res.text,
-                   "token_ids": res.token_ids}
-            writer.write(rec)
-            records.append(rec)
-            if on_record:
-                on_record(rec)
+        for run in runs:  # warm-up, untimed, so the first timed chunk pays no one-off costs
+            t0 = task_objs[0].name
+            dec = decoders[run.label, t0]
+            if run.batch_size == 1:
+                dec.generate(prompt(run, t0, 0))
+            else:
+                dec.generate_batch([prompt(run, t0, i) for i in range(min(run.batch_size, len(examples[t0])))])
+    if time_forwards:
+        for bb in backbones.values():
+            bb.time_forwards = True
+    try:
+        with RecordWriter(samples_path) as writer, \
+                tqdm(total=sum(len(c[3]) for c in todo), desc=desc, unit="decode", dynamic_ncols=True) as bar:
+            for ti, _, ri, idx in todo:
+                task, run = task_objs[ti], runs[ri]
+                dec, bb = decoders[run.label, task.name], backbones[run.model]
+                fwd0 = bb.forward_s
+                if run.batch_size == 1:
+                    results = [dec.generate(prompt(run, task.name, idx[0]))]
+                    chunk: dict[str, Any] = {}
+                else:
+                    results = dec.generate_batch([prompt(run, task.name, i) for i in idx])
+                    chunk_wall = results[0].stats.batch_wall_s
+                    if chunk_wall is None:  # decoded one after another (no batched loop, or a chunk of one)
+                        chunk_wall = sum(res.stats.wall_s for res in results)
+                    chunk = {"batch_size": run.batch_size, "batch": idx[0], "batch_samples": len(idx),
+                             "batch_wall_s": chunk_wall}
+                if time_forwards:
+                    chunk["forward_s" if run.batch_size == 1 else "batch_forward_s"] = bb.forward_s - fwd0
+                for i, res in zip(idx, results):
+                    ex = examples[task.name][i]
+                    rec = {"run": run.label, "task": task.name, "idx": i, "decoder": run.decoder, "model": run.model,
+                           "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
+                           "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, **chunk, "completion": res.text,
+                           "token_ids": res.token_ids}
+                    writer.write(rec)
+                    records.append(rec)
+                    bar.update()
+                    if on_record:
+                        on_record(rec)
+    finally:
+        for bb in backbones.values():
+            bb.time_forwards = False
     wanted = {(r.label, t) for r in runs for t in tasks}
     return [r for r in records if (r["run"], r["task"]) in wanted]
 
@@ -141,29 +241,36 @@ def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = ()) -
     from rich.table import Table
 
     table = Table(title=title)
-    cols = [("task", "task"), ("run", "run"), *[(k, k) for k in extra], ("n", "n"), ("accuracy", "acc %"),
-            ("tokens_per_second", "tok/s"), ("tpf", "TPF"), ("nfe_mean", "NFE"), ("latency_s_mean", "latency s"),
-            ("speedup", "speed-up")]
+    cols = [("task", "task"), ("run", "run"), *[(k, k) for k in _with_batch(rows, list(extra))], ("n", "n"),
+            ("accuracy", "acc %"), ("tokens_per_second", "tok/s"), ("tpf", "TPF"), ("nfe_mean", "NFE"),
+            ("latency_s_mean", "latency s"), ("speedup", "speed-up")]
     for _, head in cols:
         table.add_column(head, justify="left" if head in ("task", "run") else "right")
     for r in sorted(rows, key=lambda r: r["task"]):
         cells = []
         for key, _ in cols:
-            v = r.get(key)
+            v = r.get(key, 1 if key == "batch_size" else None)
             cells.append("-" if v is None else f"{100 * v:.1f}" if key == "accuracy" else
                          f"{v:.2f}" if isinstance(v, float) else str(v))
         table.add_row(*cells)
     Console().print(table)
 
 
+def _with_batch(rows: list[dict[str, Any]], extra: list[str]) -> list[str]:
+    """``extra`` plus a ``batch_size`` column when some row was decoded in batches of more than one."""
+    batched = any(r.get("batch_size", 1) != 1 for r in rows) and "batch_size" not in extra
+    return [*extra, "batch_size"] if batched else list(extra)
+
+
 def markdown_table(rows: list[dict[str, Any]], extra: list[str] = ()) -> str:
+    extra = _with_batch(rows, list(extra))
     cols = ["task", "run", *extra, "n", "accuracy", "tokens_per_second", "tpf", "nfe_mean", "latency_s_mean", "speedup"]
     heads = ["task", "run", *extra, "n", "acc %", "tok/s", "TPF", "NFE", "latency s", "speed-up"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in sorted(rows, key=lambda r: r["task"]):
         cells = []
         for c in cols:
-            v = r.get(c)
+            v = r.get(c, 1 if c == "batch_size" else None)
             cells.append("-" if v is None else f"{100 * v:.1f}" if c == "accuracy" else
                          f"{v:.2f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
