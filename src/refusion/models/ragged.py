@@ -186,8 +186,9 @@ class RaggedCache:
         cache = Cache(layers=[_OffsetLayer(k, v, offsets, past, width) for k, v in zip(keys, values)])
         wanted = [req.columns() for req in requests]
         union = sorted(set(c for cols in wanted for c in cols))
+        any_logits = any(req.logits_at is not None for req in requests)
         logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
-                            logits_at=from_host(union, dev, torch.long) if union else None)  # [R', n_union, V]
+                            logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
         if not full:
             for i in range(self.n_layers):
                 self.keys[i].index_copy_(0, index, keys[i])
