@@ -134,9 +134,10 @@ class StrayReads:
         del self.model.forward
 
 
-def decode_reading_host(backbone, config: dict, prompt: list[int]):
-    """Decode ``prompt``; return the result, the host reads (``to_host`` calls), the ``tolist`` calls
-    (``to_host`` makes one per read) and every other tensor-to-Python conversion made outside the model."""
+def decode_reading_host(backbone, config: dict, prompt: list[int] | list[list[int]]):
+    """Decode ``prompt`` (a list of prompts: as one batch, ``generate_batch``); return the result (the
+    list of results), the host reads (``to_host`` calls), the ``tolist`` calls (``to_host`` makes one per
+    read) and every other tensor-to-Python conversion made outside the model."""
     from refusion.core import host
     from refusion.core.config import build_decoder
 
@@ -151,7 +152,10 @@ def decode_reading_host(backbone, config: dict, prompt: list[int]):
     host.reset()
     try:
         with StrayReads(backbone.model) as stray:
-            result = decoder.generate(prompt)
+            if prompt and isinstance(prompt[0], list):
+                result = decoder.generate_batch(prompt)
+            else:
+                result = decoder.generate(prompt)
     finally:
         torch.Tensor.tolist = watched
     return result, host.count, tolist_calls[0], stray.where

@@ -66,6 +66,28 @@ def test_ar_reads_one_token_per_step(tiny_refusion):
     assert reads == len(result.token_ids) + 1
 
 
+@pytest.mark.parametrize("variant", ["reference", "bench arith", "fused + window", "kv_recompute"])
+def test_a_refusion_batch_reads_the_host_once_per_read_point_of_all_its_sequences(tiny_refusion, variant):
+    """A batch's loops wait on the device together: their reads at one point are one to_host, so the batch
+    reads at most what its sequences read alone, at least what the longest one does, and nothing else."""
+    if variant == "bench arith":
+        config = load_bench_config().decoder_config("arith", "refusion", get_task("arith").max_new_tokens)
+    else:
+        config = {**REFERENCE, "gen_length": 96, **VARIANTS[variant]}
+    prompts = [task_prompt(tiny_refusion.tokenizer, task, i) for task in ("arith", "facts") for i in range(2)]
+    results, reads, tolist_calls, stray = decode_reading_host(tiny_refusion, config, prompts)
+    assert stray == [] and tolist_calls == reads
+    alone = [expected_reads(config, r.trace) for r in results]
+    assert max(alone) <= reads < sum(alone) - (len(alone) - 1)  # shared: fewer than separate decodes
+
+
+def test_an_ar_batch_reads_one_token_per_step_of_the_batch(tiny_refusion):
+    prompts = [task_prompt(tiny_refusion.tokenizer, task) for task in ("arith", "code", "facts")]
+    results, reads, tolist_calls, stray = decode_reading_host(tiny_refusion, {"decoder": "ar", "gen_length": 40}, prompts)
+    assert stray == [] and tolist_calls == reads
+    assert reads == max(len(r.token_ids) for r in results) + 1
+
+
 def test_stray_reads_are_caught(tiny_refusion):
     """The detector itself: a conversion outside the model is reported, one inside to_host is not."""
     import torch
