@@ -8,7 +8,10 @@ settings: slot 8, slot threshold 0.9, token threshold 0.4), one untimed warm-up 
 decoder: tokens/s (tokens / decode wall time, medians over prompts), forwards, the share of decode time
 outside model forwards (a second pass with synchronised forward timing) and host reads per iteration.
 Random weights decode text of no meaning: the figures measure the data path and the forwards, not
-quality. ``--shape tiny`` builds a small model for a CPU smoke run. Writes ``--out/gpu_bench.json``.
+quality. Then throughput against batch size (``--batch-sizes``, default 1,4,16): the first
+``--batch-prompts`` prompts (default 16) decoded with ``generate_batch`` in chunks of each size, per
+decoder, as aggregate tokens/s (all tokens / all chunks' wall time) and ReFusion's over AR's at each
+size. ``--shape tiny`` builds a small model for a CPU smoke run. Writes ``--out/gpu_bench.json``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,22 @@ def measure(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]
             "share_outside_forwards": 1 - backbone.forward_s / wall}
 
 
+def measure_batches(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]], sizes: list[int]) -> list[dict]:
+    """Aggregate tokens/s of ``ids`` decoded in chunks of each batch size (one untimed warm-up chunk each)."""
+    decoder = build_decoder(backbone, {**CONFIGS[name], "gen_length": gen_length})
+    rows = []
+    for size in sizes:
+        decoder.generate_batch(ids[:size])  # warm-up
+        tokens, wall = 0, 0.0
+        for i in range(0, len(ids), size):
+            results = decoder.generate_batch(ids[i : i + size])
+            tokens += sum(r.stats.generated_tokens for r in results)
+            wall += results[0].stats.batch_wall_s if size > 1 else results[0].stats.wall_s
+        rows.append({"decoder": name, "batch_size": size, "tokens": tokens, "wall_s": wall,
+                     "tokens_per_second": tokens / wall})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -83,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="0.6b", choices=list(SHAPES))
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--gen-length", type=int, default=256)
+    ap.add_argument("--batch-sizes", default="1,4,16", help="batch sizes of the throughput table ('' for none)")
+    ap.add_argument("--batch-prompts", type=int, default=16, help="prompts decoded at each batch size")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_bench"))
     a = ap.parse_args(argv)
     backbone = random_backbone(a.shape, a.device, getattr(torch, a.dtype))
@@ -96,8 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['decoder']} | {r['tokens_per_second_median']:.1f} | {r['tokens_per_second_median'] / ar_rate:.2f} | "
               f"{r['forwards']} | {r['iterations']} | {r['host_reads_per_iteration']:.2f} | {100 * r['share_outside_forwards']:.1f}% |")
+    sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
+    batch_rows = []
+    if sizes:
+        many = prompts(backbone, a.batch_prompts)
+        batch_rows = [r for name in CONFIGS for r in measure_batches(backbone, name, a.gen_length, many, sizes)]
+        rate = {(r["decoder"], r["batch_size"]): r["tokens_per_second"] for r in batch_rows}
+        print(f"\nthroughput against batch size ({a.batch_prompts} prompts, aggregate tokens/s)")
+        print("| batch size | " + " | ".join(f"{n} tok/s | {n} x batch 1" for n in CONFIGS) + " | refusion / ar |")
+        print("|---|" + "---|---|" * len(CONFIGS) + "---|")
+        for size in sizes:
+            cells = [f"{rate[n, size]:.1f} | {rate[n, size] / rate[n, sizes[0]]:.2f}" for n in CONFIGS]
+            print(f"| {size} | " + " | ".join(cells) + f" | {rate['refusion', size] / rate['ar', size]:.2f} |")
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gpu_bench.json").write_text(json.dumps({"device": device, "shape": a.shape, "dtype": a.dtype, "rows": rows}, indent=1))
+    (a.out / "gpu_bench.json").write_text(json.dumps(
+        {"device": device, "shape": a.shape, "dtype": a.dtype, "rows": rows, "batch_rows": batch_rows}, indent=1))
     return 0
 
 
