@@ -1,4 +1,7 @@
+import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from refusion.core.config import build_decoder
 
@@ -23,3 +26,17 @@ def test_ar_stops_at_eos(backbone):
     finally:
         h.remove()
     assert len(res.token_ids) == 6 and res.token_ids[-1] == backbone.eos_id
+
+
+@pytest.mark.property
+@given(lengths=st.lists(st.integers(1, 16), min_size=2, max_size=6), seed=st.integers(0, 1000),
+       gen_length=st.integers(1, 24))
+def test_each_sequence_of_a_batch_decodes_as_alone(backbone, lengths, seed, gen_length):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in lengths]
+    dec = build_decoder(backbone, {"decoder": "ar", "gen_length": gen_length})
+    alone = [dec.generate(p) for p in prompts]
+    batch = dec.generate_batch(prompts)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert [r.stats.nfe for r in batch] == [r.stats.nfe for r in alone]
+    assert batch[0].stats.batch_nfe == max(r.stats.nfe for r in alone)  # one forward per step for all
