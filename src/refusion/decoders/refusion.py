@@ -34,6 +34,12 @@ chosen slots and the scores for the trace), once after Stage II-a (prefix length
 accepted, the drafted tokens) and once per Stage II-b round (rows finished, the common verified
 prefix, an EOS row, the filled tokens): ``2 + rounds`` per iteration, plus one per decode for the
 finiteness check. Adaptive slots and the ``sub_slot`` remasker each add one read where they act.
+
+The loop is a generator (:meth:`RefusionDecoder._loop`) that yields its forwards and reads:
+:func:`~refusion.decoders.common.run_loop` runs one sequence on a ``DynamicCache``;
+:func:`~refusion.decoders.common.run_loops` runs a batch, every sequence's reads at one point in one
+host read and their forwards (Stage I, II-a and every II-b row alike) in one model call over a
+:class:`~refusion.models.ragged.RaggedCache`, whose rows a finished sequence leaves.
 """
 
 from __future__ import annotations
