@@ -38,23 +38,47 @@ no device read. Host synchronisations: one per step (= per forward), its one
 :func:`~refusion.core.host.to_host` read of the pool's scores, which of them were chosen and the
 drafted tokens; plus the finiteness check of :meth:`~refusion.core.interfaces.Decoder.generate`:
 NFE + 1 per decode. The output needs no further read.
+
+Batched (:meth:`~refusion.core.interfaces.Decoder.generate_batch`): the prompts are left-padded to one
+width, so every row's generation span lies in the same columns (each row keeps its own position ids;
+padding keys are masked out of every row, a padding query sees only itself). Each sequence runs its own
+schedule (block, step, pool, budget, refreshes, early stop), so rows may be in different blocks; a step
+of the batch is one step of every sequence still decoding, in at most two forwards: the rows at a full
+step (no cache, or a refresh) feed every column, the rows at a cached step their own window (prefix:
+block + later masks, right-padded to the longest; dual: the block) over their own cache. The caches are
+per-layer buffers in column order (:class:`ColumnLayer`): a refresh writes its rows' columns, a cached
+step writes its window's KV in place (scratch, never kept), and each row's ``[b, 1, T, K]`` mask selects
+its keys. Every row's pool logits are drafted in one call and scored together; each row's pool is
+selected on its own (:func:`choose` with that row's budget). Host reads: ONE
+:func:`~refusion.core.host.to_host` per step for the whole batch (every row's scores, chosen flags and
+drafted tokens), plus the finiteness check. A finished sequence leaves the batch (its row of every
+tensor and buffer is dropped). Greedy, each sequence decodes to the tokens of its single decode except
+at floating-point near-ties (padding and batch shape change reduction order); with sampling (drafter
+temperature > 0, or random remasking) the draws come from one generator for the whole batch, so they
+differ from a single decode's.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import time
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions, Selector
 from refusion.core.types import IterationTrace, LoopOutput
-from refusion.decoders.common import cut_after_eos
+from refusion.decoders.common import additive_mask, cut_after_eos, left_pad
 from refusion.plugins.token_selectors import TokenSelector
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 class LladaOptions(DecoderOptions):
@@ -121,10 +145,134 @@ def full_mask(q: int, kv: int, dtype: torch.dtype, device: torch.device | str = 
     return torch.zeros(1, 1, q, kv, dtype=dtype, device=device)
 
 
+# ------------------------------------------------------------------------------------ batched decoding
+class ColumnLayer(DynamicLayer):
+    """One layer's KV buffer ``[b, n_kv_heads, C, head_dim]`` of a batch kept in COLUMN order: column j of
+    a row holds the KV of that row's sequence column j (left-padded sequences share the columns). A
+    forward feeds each row ``T`` tokens starting at its own column ``offsets[r]``; their KV is written
+    into the buffer there (in place) and every row attends over buffer columns ``0 .. width-1``, its
+    additive mask saying which of them are its keys (its cached columns, its new tokens). Nothing is
+    appended or cropped: which columns hold a row's valid cache is the decoding loop's bookkeeping."""
+
+    def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.offsets, self.past, self.width = offsets, past, width
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        R, H, T, D = key_states.shape
+        index = (self.offsets[:, None] + torch.arange(T, device=self.offsets.device))[:, None, :, None]
+        index = index.expand(R, H, T, D)
+        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+
+    def get_seq_length(self) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+
+def column_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int) -> Cache:
+    """A cache over per-layer column buffers (:class:`ColumnLayer`) for a forward of ``fed`` tokens per row
+    written at columns ``offsets [b] ..``, attending over columns ``0 .. width-1``; the mask of that forward
+    is ``[b, 1, fed, width]``."""
+    return Cache(layers=[ColumnLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
+
+
+def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
+    """``buffers`` with at least ``capacity`` columns (dim 2), zero-filled beyond their old width."""
+    if buffers[0].shape[2] >= capacity:
+        return buffers
+    out = []
+    for t in buffers:
+        new = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+        new[:, :, : t.shape[2]] = t
+        out.append(new)
+    return out
+
+
+def fed_window(x: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, fed: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's fed tokens: columns ``lo[r] .. hi[r]-1`` of ``x [b, N]``, right-padded with ``pad_id`` to
+    ``fed`` tokens. -> ``cols [b, fed]`` (the column of each fed token; padding continues past ``hi``),
+    ``ids [b, fed]`` and ``pos [b, fed]`` (each sequence's own positions: column minus its left padding
+    ``pad [b]``; 0 at padding)."""
+    cols = lo[:, None] + torch.arange(fed, device=x.device)
+    real = cols < hi[:, None]
+    ids = torch.where(real, x.gather(1, cols.clamp(max=x.shape[1] - 1)), pad_id)
+    pos = torch.where(real, (cols - pad[:, None]).clamp_min(0), 0)
+    return cols, ids, pos
+
+
+class BatchRows:
+    """The device tensors of the sequences of a batch still decoding, one row each: ``x [b, N]`` (token
+    ids in column order, prompts left-padded), ``pad [b]`` (each row's left padding), per layer KV
+    buffers ``keys`` / ``values [b, n_kv_heads, C, head_dim]`` in column order (:class:`ColumnLayer`; None
+    until a cache is made) and, for shifted-logits models, ``head [b, V]``. :meth:`select` keeps some rows
+    (finished sequences leave the batch)."""
+
+    def __init__(self, x: Tensor, pad: Tensor) -> None:
+        self.x, self.pad = x, pad
+        self.keys: list[Tensor] | None = None
+        self.values: list[Tensor] | None = None
+        self.head: Tensor | None = None
+
+    def select(self, index: Tensor) -> None:
+        """Keep the rows ``index [b']`` (a long tensor, in that order)."""
+        self.x, self.pad = self.x[index], self.pad[index]
+        if self.keys is not None:
+            self.keys = [k.index_select(0, index) for k in self.keys]
+            self.values = [v.index_select(0, index) for v in self.values]
+        if self.head is not None:
+            self.head = self.head[index]
+
+    def new_buffers(self, heads: int, head_dim: int, layers: int, capacity: int, dtype: torch.dtype) -> None:
+        """Zeroed KV buffers of ``capacity`` columns for every row."""
+        shape = (self.x.shape[0], heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.x.device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.x.device) for _ in range(layers)]
+
+    def grow(self, capacity: int) -> None:
+        """At least ``capacity`` columns in the KV buffers."""
+        self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
+
+    def store(self, cache: "DynamicCache", index: Tensor | None, capacity: int) -> None:
+        """The KV of a forward from column 0 (``cache``: a DynamicCache of rows ``index``, None = every row)
+        becomes those rows' columns ``0 ..``; buffers of ``capacity`` columns are made on first use."""
+        if self.keys is None:
+            k = cache.layers[0].keys
+            self.new_buffers(k.shape[1], k.shape[3], len(cache.layers), capacity, k.dtype)
+        for i, layer in enumerate(cache.layers):
+            n = layer.keys.shape[2]
+            if index is None:
+                self.keys[i][:, :, :n] = layer.keys
+                self.values[i][:, :, :n] = layer.values
+            else:
+                self.keys[i][index, :, :n] = layer.keys
+                self.values[i][index, :, :n] = layer.values
+
+    def rows_kv(self, index: Tensor | None) -> tuple[list[Tensor], list[Tensor]]:
+        """The KV buffers of rows ``index`` (a copy), or the buffers themselves (None = every row)."""
+        if index is None:
+            return self.keys, self.values
+        return [k.index_select(0, index) for k in self.keys], [v.index_select(0, index) for v in self.values]
+
+    def set_head(self, head: Tensor, index: Tensor | None) -> None:
+        """``head [g, V]`` becomes the head of rows ``index`` (None = every row)."""
+        if index is None:
+            self.head = head
+            return
+        if self.head is None:
+            self.head = head.new_zeros((self.x.shape[0], head.shape[-1]))
+        self.head[index] = head
+
+
 class LladaDecoder(Decoder):
     name = "llada"
     Options = LladaOptions
     attention = ("bidirectional",)
+    batched = True
 
     def _decode(self, prompt_ids, generator):
         o: LladaOptions = self.options
@@ -192,6 +340,146 @@ class LladaDecoder(Decoder):
                 break
         out = cut_after_eos(tokens[P:], bb.eos_ids)  # early stop leaves [MASK] only after the EOS
         return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))))
+
+    def _decode_batch(self, prompts, generator):
+        o: LladaOptions = self.options
+        bb = self.backbone
+        drafter, scorer, selector = self.parts["drafter"], self.parts["scorer"], self.parts["selector"]
+        L, G, dev, mask_id = o.block, o.gen_length, bb.device, bb.mask_id
+        nb = G // L
+        budget = num_transfer_tokens(L, o.n_steps // nb)
+        ids, _, _ = left_pad(prompts, bb.eos_id, dev)  # [n, W]: every row's generation span at columns W .. N-1
+        n, W = ids.shape
+        x = torch.cat([ids, torch.full((n, G), mask_id, dtype=ids.dtype, device=dev)], dim=1)  # [b, N]
+        state = BatchRows(x=x, pad=from_host([W - len(p) for p in prompts], dev))  # device tensors of the rows
+        # host state per sequence, as in its single decode (gen: host copy of its generation span)
+        gen = [[mask_id] * G for _ in prompts]
+        block, step = [0] * n, [0] * n
+        pools = [list(range(W, W + L)) for _ in prompts]  # columns of the block's [MASK]s, ascending
+        traces: list[list[IterationTrace]] = [[] for _ in prompts]
+        nfe, fed, finished_at = [0] * n, [0] * n, [None] * n
+        rows = list(range(n))  # the sequence of each batch row
+
+        while rows:
+            starts = [W + block[q] * L for q in rows]  # column s of each row's block
+            refresh = [o.kv_cache == "none" or step[q] == 0 or (o.refresh_every > 0 and step[q] % o.refresh_every == 0)
+                       for q in rows]  # a full forward for this row (no cache, or a refresh)
+            order: list[int] = []  # batch rows in the order of their pools in `logits`
+            parts: list[Tensor] = []  # per forward: [n_g, V] its rows' pool logits
+            width: dict[int, int] = {}  # tokens fed in each row this step
+            for full in (True, False):  # at most two forwards: the rows at a full step, the rows at a cached one
+                group = [r for r in range(len(rows)) if refresh[r] == full]
+                if group:
+                    step_logits, T = self._batch_forward(state, group, full, [starts[r] for r in group], len(rows))
+                    parts.append(step_logits[  # [n_g, V]
+                        from_host([k for k, r in enumerate(group) for _ in pools[rows[r]]], dev),
+                        from_host([c - starts[r] for r in group for c in pools[rows[r]]], dev)])
+                    order += group
+                    width.update({r: T for r in group})
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_all, V]
+            proposal = drafter.draft(logits[:, None], generator)  # [n_all, 1]: every row's pool in one call
+            if o.remasking == "random":
+                scores = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device=dev)  # [n_all]
+            else:
+                scores = scorer.score(proposal)  # [n_all]
+            chosen_parts, at = [], 0
+            for r in order:  # each row's pool is selected on its own, with its own step's budget
+                q, k = rows[r], len(pools[rows[r]])
+                scheduled = budget[step[q]] if step[q] < len(budget) else None
+                chosen_parts.append(choose(selector, scores[at : at + k], scheduled))
+                at += k
+            chosen = torch.cat(chosen_parts)  # [n_all] bool
+            drafted = proposal.token_ids[:, 0]  # [n_all]
+            state.x[from_host([r for r in order for _ in pools[rows[r]]], dev),
+                    from_host([c for r in order for c in pools[rows[r]]], dev)] = torch.where(chosen, drafted, mask_id)
+            score_values, chosen_flags, drafted_ids = to_host(scores, chosen, drafted)  # the step's one read
+            done, at = set(), 0
+            for r in order:
+                q = rows[r]
+                pool, k, shift = pools[q], len(pools[q]), W - len(prompts[q])  # column - shift = position
+                flags = chosen_flags[at : at + k]
+                committed = [c for c, f in zip(pool, flags) if f]
+                for c, t, f in zip(pool, drafted_ids[at : at + k], flags):
+                    if f:
+                        gen[q][c - W] = t
+                scored = [(c - shift, v) for c, v in zip(pool, score_values[at : at + k])]
+                traces[q].append(IterationTrace(
+                    block=block[q], stage="mdm", scored=scored, chosen=[c - shift for c in committed],
+                    accepted=[(c - shift, 1) for c in committed], forwards=1))
+                at += k
+                nfe[q], fed[q] = nfe[q] + 1, fed[q] + width[r]
+                pools[q] = [c for c, f in zip(pool, flags) if not f]
+                step[q] += 1
+                stop = o.early_stop and decided(gen[q], mask_id, bb.eos_ids)
+                if not stop and not pools[q]:  # block complete: the next one starts with a full forward
+                    block[q], step[q] = block[q] + 1, 0
+                    pools[q] = list(range(W + block[q] * L, W + (block[q] + 1) * L))
+                    stop = block[q] == nb
+                if stop:
+                    finished_at[q] = time.perf_counter()
+                    done.add(r)
+            if done:  # finished sequences leave the batch
+                keep = [r for r in range(len(rows)) if r not in done]
+                if keep:
+                    state.select(from_host(keep, dev))
+                rows = [rows[r] for r in keep]
+        outs = []
+        for q, prompt in enumerate(prompts):
+            out = cut_after_eos(gen[q], bb.eos_ids)  # early stop leaves [MASK] only after the EOS
+            outs.append(LoopOutput(out, traces[q], list(prompt) + out, list(range(len(prompt) + len(out))), nfe=nfe[q],
+                                   tokens_in=fed[q], finished_at=finished_at[q]))
+        return outs
+
+    def _batch_forward(self, state: BatchRows, group: list[int], full: bool, starts: list[int],
+                       b: int) -> tuple[Tensor, int]:
+        """One forward of the batch rows ``group`` (of ``b``), whose blocks start at columns ``starts``.
+        ``full``: every column (LLaDA, or a cache refresh, whose KV becomes the rows' cache); else the rows'
+        cached step (prefix: columns s .. N-1; dual: s .. e-1) over their cache. -> ``[g, L, V]`` logits
+        predicting each row's block columns ``s .. e-1``, and the tokens fed per row."""
+        o: LladaOptions = self.options
+        bb = self.backbone
+        L, dt, dev = o.block, bb.model.dtype, bb.device
+        N = state.x.shape[1]
+        every = len(group) == b
+        index = None if every else from_host(group, dev)
+        x, pad = (state.x, state.pad) if every else (state.x[index], state.pad[index])
+        shift = 1 if bb.logits_shifted else 0  # Dream: row i predicts token i+1
+        if full:
+            key = torch.arange(N, device=dev)
+            allowed = (key[None, None, :] >= pad[:, None, None]) | torch.eye(N, dtype=torch.bool, device=dev)
+            blocks = sorted(set(starts))  # logits rows: every distinct block of the group, in column order
+            rows_at = (slice(blocks[0] - shift, blocks[0] - shift + L) if len(blocks) == 1 else
+                       from_host([s - shift + j for s in blocks for j in range(L)], dev))
+            cache = bb.new_cache() if o.kv_cache != "none" else None
+            pos = (key[None, :] - pad[:, None]).clamp_min(0)  # [g, N] each prompt's own positions
+            out = bb.forward(x, pos, cache, attn_mask=additive_mask(allowed, dt), logits_at=rows_at)  # [g, k * L, V]
+            if len(blocks) == 1:
+                logits = out
+            else:  # each row's own block's rows
+                at = from_host([blocks.index(s) * L for s in starts], dev)  # [g]
+                at = (at[:, None] + torch.arange(L, device=dev))[:, :, None]  # [g, L, 1]
+                logits = out.gather(1, at.expand(-1, -1, out.shape[-1]))
+            if cache is not None:
+                state.store(cache, index, N + o.gen_length if o.kv_cache == "prefix" else N)  # prefix: room for padding
+                if shift:
+                    state.set_head(logits[:, 0], index)  # the prediction of s, for the cached steps
+            return logits, N
+        # prefix: block + every later [MASK] after x[:s], right-padded to the longest; dual: only the block
+        lo = from_host(starts, dev)
+        T = L if o.kv_cache == "dual" else N - min(starts)
+        hi = lo + L if o.kv_cache == "dual" else torch.full_like(lo, N)
+        cols, ids, pos = fed_window(x, pad, lo, hi, T, bb.eos_id)  # [g, T] each
+        width = N if o.kv_cache == "dual" else max(starts) + T
+        key = torch.arange(width, device=dev)[None, None, :]
+        allowed = ((key >= pad[:, None, None]) & (key < N)) | (key == cols[:, :, None])  # [g, T, width]
+        keys, values = state.rows_kv(index)  # a cached step's KV is scratch: written in place, never kept
+        cache = column_cache(keys, values, lo, T, width)
+        mask = additive_mask(allowed, dt)
+        if shift:  # s is predicted from s-1, outside the window: the last refresh's head
+            window = bb.forward(ids, pos, cache, attn_mask=mask, logits_at=slice(0, L - 1) if L > 1 else None)
+            head = (state.head if every else state.head[index])[:, None]  # [g, 1, V]
+            return (head if window is None else torch.cat([head, window], dim=1)), T  # [g, L, V]
+        return bb.forward(ids, pos, cache, attn_mask=mask, logits_at=slice(0, L)), T  # [g, L, V]
 
 
 @hookimpl
