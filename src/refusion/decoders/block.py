@@ -40,7 +40,7 @@ are masked out of every row, a padding query sees only itself). Each sequence ru
 pools, pipeline, cache length), so rows may be at different blocks: one step of the batch is one step of
 every sequence still decoding, in ONE forward that feeds each row its own chunk (its uncached clean
 tokens + its window blocks), right-padded to the longest. The KV lives in per-layer buffers in column
-order (:class:`~refusion.decoders.llada.ColumnLayer`): each row writes its chunk's KV at its own columns,
+order (:class:`~refusion.models.ragged.OffsetLayer`): each row writes its chunk's KV at its own columns,
 keeps the clean ones as its cache (a host integer per row, no crop) and attends with its own block-causal
 ``[b, 1, T, K]`` mask. Every row's pools are drafted in one call and scored together; each pool is
 selected on its own, as in the single decode. Host reads: ONE :func:`~refusion.core.host.to_host` per
@@ -66,8 +66,9 @@ from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions
 from refusion.core.types import IterationTrace, LoopOutput
-from refusion.decoders.common import additive_mask, cut_after_eos, left_pad
-from refusion.decoders.llada import BatchRows, choose, column_cache, decided, fed_window
+from refusion.decoders.common import BatchRows, additive_mask, cut_after_eos, fed_window, left_pad
+from refusion.decoders.llada import choose, decided
+from refusion.models.ragged import offset_cache
 from refusion.plugins.token_selectors import TokenSelector
 
 
@@ -255,7 +256,7 @@ class BlockDecoder(Decoder):
                     dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
                     state.new_buffers(heads, dim, int(cfg.num_hidden_layers), max(N, width), bb.model.dtype)
                 state.grow(width)  # a row near the end fed with a longer row's width writes padding past N
-                cache = column_cache(state.keys, state.values, lo_t, T, width)
+                cache = offset_cache(state.keys, state.values, lo_t, T, width)
             else:
                 cache = None
             a = min(w - l for w, l in zip(w0, lo))  # logits rows: every row's window

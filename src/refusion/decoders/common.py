@@ -12,9 +12,11 @@ from torch import Tensor
 
 from refusion.core.host import from_host, to_host
 from refusion.core.types import LoopOutput
-from refusion.models.ragged import ForwardRequest, RaggedCache
+from refusion.models.ragged import ForwardRequest, RaggedCache, grow_columns
 
 if TYPE_CHECKING:
+    from transformers import DynamicCache
+
     from refusion.models.backend import Backbone
 
 
@@ -44,6 +46,81 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     Every query must be allowed at least one key (a padding query: itself), or attention yields NaN."""
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def fed_window(x: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, fed: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's fed tokens: columns ``lo[r] .. hi[r]-1`` of ``x [b, N]``, right-padded with ``pad_id`` to
+    ``fed`` tokens. -> ``cols [b, fed]`` (the column of each fed token; padding continues past ``hi``),
+    ``ids [b, fed]`` and ``pos [b, fed]`` (each sequence's own positions: column minus its left padding
+    ``pad [b]``; 0 at padding)."""
+    cols = lo[:, None] + torch.arange(fed, device=x.device)
+    real = cols < hi[:, None]
+    ids = torch.where(real, x.gather(1, cols.clamp(max=x.shape[1] - 1)), pad_id)
+    pos = torch.where(real, (cols - pad[:, None]).clamp_min(0), 0)
+    return cols, ids, pos
+
+
+class BatchRows:
+    """The device tensors of the sequences of a batch still decoding, one row each: ``x [b, N]`` (token
+    ids in column order, prompts left-padded), ``pad [b]`` (each row's left padding), per layer KV
+    buffers ``keys`` / ``values [b, n_kv_heads, C, head_dim]`` in column order (:class:`~refusion.models.ragged.OffsetLayer`; None
+    until a cache is made) and, for shifted-logits models, ``head [b, V]``. :meth:`select` keeps some rows
+    (finished sequences leave the batch)."""
+
+    def __init__(self, x: Tensor, pad: Tensor) -> None:
+        self.x, self.pad = x, pad
+        self.keys: list[Tensor] | None = None
+        self.values: list[Tensor] | None = None
+        self.head: Tensor | None = None
+
+    def select(self, index: Tensor) -> None:
+        """Keep the rows ``index [b']`` (a long tensor, in that order)."""
+        self.x, self.pad = self.x[index], self.pad[index]
+        if self.keys is not None:
+            self.keys = [k.index_select(0, index) for k in self.keys]
+            self.values = [v.index_select(0, index) for v in self.values]
+        if self.head is not None:
+            self.head = self.head[index]
+
+    def new_buffers(self, heads: int, head_dim: int, layers: int, capacity: int, dtype: torch.dtype) -> None:
+        """Zeroed KV buffers of ``capacity`` columns for every row."""
+        shape = (self.x.shape[0], heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.x.device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.x.device) for _ in range(layers)]
+
+    def grow(self, capacity: int) -> None:
+        """At least ``capacity`` columns in the KV buffers."""
+        self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
+
+    def store(self, cache: "DynamicCache", index: Tensor | None, capacity: int) -> None:
+        """The KV of a forward from column 0 (``cache``: a DynamicCache of rows ``index``, None = every row)
+        becomes those rows' columns ``0 ..``; buffers of ``capacity`` columns are made on first use."""
+        if self.keys is None:
+            k = cache.layers[0].keys
+            self.new_buffers(k.shape[1], k.shape[3], len(cache.layers), capacity, k.dtype)
+        for i, layer in enumerate(cache.layers):
+            n = layer.keys.shape[2]
+            if index is None:
+                self.keys[i][:, :, :n] = layer.keys
+                self.values[i][:, :, :n] = layer.values
+            else:
+                self.keys[i][index, :, :n] = layer.keys
+                self.values[i][index, :, :n] = layer.values
+
+    def rows_kv(self, index: Tensor | None) -> tuple[list[Tensor], list[Tensor]]:
+        """The KV buffers of rows ``index`` (a copy), or the buffers themselves (None = every row)."""
+        if index is None:
+            return self.keys, self.values
+        return [k.index_select(0, index) for k in self.keys], [v.index_select(0, index) for v in self.values]
+
+    def set_head(self, head: Tensor, index: Tensor | None) -> None:
+        """``head [g, V]`` becomes the head of rows ``index`` (None = every row)."""
+        if index is None:
+            self.head = head
+            return
+        if self.head is None:
+            self.head = head.new_zeros((self.x.shape[0], head.shape[-1]))
+        self.head[index] = head
 
 
 # ---------------------------------------------------------------------------- loops as step generators

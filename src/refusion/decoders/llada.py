@@ -46,7 +46,7 @@ schedule (block, step, pool, budget, refreshes, early stop), so rows may be in d
 of the batch is one step of every sequence still decoding, in at most two forwards: the rows at a full
 step (no cache, or a refresh) feed every column, the rows at a cached step their own window (prefix:
 block + later masks, right-padded to the longest; dual: the block) over their own cache. The caches are
-per-layer buffers in column order (:class:`ColumnLayer`): a refresh writes its rows' columns, a cached
+per-layer buffers in column order (:class:`~refusion.models.ragged.OffsetLayer`): a refresh writes its rows' columns, a cached
 step writes its window's KV in place (scratch, never kept), and each row's ``[b, 1, T, K]`` mask selects
 its keys. Every row's pool logits are drafted in one call and scored together; each row's pool is
 selected on its own (:func:`choose` with that row's budget). Host reads: ONE
@@ -61,24 +61,20 @@ differ from a single decode's.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
-from transformers import Cache
-from transformers.cache_utils import DynamicLayer
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions, Selector
 from refusion.core.types import IterationTrace, LoopOutput
-from refusion.decoders.common import additive_mask, cut_after_eos, left_pad
+from refusion.decoders.common import BatchRows, additive_mask, cut_after_eos, fed_window, left_pad
+from refusion.models.ragged import offset_cache
 from refusion.plugins.token_selectors import TokenSelector
-
-if TYPE_CHECKING:
-    from transformers import DynamicCache
 
 
 class LladaOptions(DecoderOptions):
@@ -146,128 +142,6 @@ def full_mask(q: int, kv: int, dtype: torch.dtype, device: torch.device | str = 
 
 
 # ------------------------------------------------------------------------------------ batched decoding
-class ColumnLayer(DynamicLayer):
-    """One layer's KV buffer ``[b, n_kv_heads, C, head_dim]`` of a batch kept in COLUMN order: column j of
-    a row holds the KV of that row's sequence column j (left-padded sequences share the columns). A
-    forward feeds each row ``T`` tokens starting at its own column ``offsets[r]``; their KV is written
-    into the buffer there (in place) and every row attends over buffer columns ``0 .. width-1``, its
-    additive mask saying which of them are its keys (its cached columns, its new tokens). Nothing is
-    appended or cropped: which columns hold a row's valid cache is the decoding loop's bookkeeping."""
-
-    def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
-        super().__init__()
-        self.keys, self.values, self.is_initialized = keys, values, True
-        self.offsets, self.past, self.width = offsets, past, width
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        R, H, T, D = key_states.shape
-        index = (self.offsets[:, None] + torch.arange(T, device=self.offsets.device))[:, None, :, None]
-        index = index.expand(R, H, T, D)
-        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, index, value_states.to(self.values.dtype))
-        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
-
-    def get_seq_length(self) -> int:
-        return self.past
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.past + query_length, 0
-
-
-def column_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int) -> Cache:
-    """A cache over per-layer column buffers (:class:`ColumnLayer`) for a forward of ``fed`` tokens per row
-    written at columns ``offsets [b] ..``, attending over columns ``0 .. width-1``; the mask of that forward
-    is ``[b, 1, fed, width]``."""
-    return Cache(layers=[ColumnLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
-
-
-def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
-    """``buffers`` with at least ``capacity`` columns (dim 2), zero-filled beyond their old width."""
-    if buffers[0].shape[2] >= capacity:
-        return buffers
-    out = []
-    for t in buffers:
-        new = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
-        new[:, :, : t.shape[2]] = t
-        out.append(new)
-    return out
-
-
-def fed_window(x: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, fed: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's fed tokens: columns ``lo[r] .. hi[r]-1`` of ``x [b, N]``, right-padded with ``pad_id`` to
-    ``fed`` tokens. -> ``cols [b, fed]`` (the column of each fed token; padding continues past ``hi``),
-    ``ids [b, fed]`` and ``pos [b, fed]`` (each sequence's own positions: column minus its left padding
-    ``pad [b]``; 0 at padding)."""
-    cols = lo[:, None] + torch.arange(fed, device=x.device)
-    real = cols < hi[:, None]
-    ids = torch.where(real, x.gather(1, cols.clamp(max=x.shape[1] - 1)), pad_id)
-    pos = torch.where(real, (cols - pad[:, None]).clamp_min(0), 0)
-    return cols, ids, pos
-
-
-class BatchRows:
-    """The device tensors of the sequences of a batch still decoding, one row each: ``x [b, N]`` (token
-    ids in column order, prompts left-padded), ``pad [b]`` (each row's left padding), per layer KV
-    buffers ``keys`` / ``values [b, n_kv_heads, C, head_dim]`` in column order (:class:`ColumnLayer`; None
-    until a cache is made) and, for shifted-logits models, ``head [b, V]``. :meth:`select` keeps some rows
-    (finished sequences leave the batch)."""
-
-    def __init__(self, x: Tensor, pad: Tensor) -> None:
-        self.x, self.pad = x, pad
-        self.keys: list[Tensor] | None = None
-        self.values: list[Tensor] | None = None
-        self.head: Tensor | None = None
-
-    def select(self, index: Tensor) -> None:
-        """Keep the rows ``index [b']`` (a long tensor, in that order)."""
-        self.x, self.pad = self.x[index], self.pad[index]
-        if self.keys is not None:
-            self.keys = [k.index_select(0, index) for k in self.keys]
-            self.values = [v.index_select(0, index) for v in self.values]
-        if self.head is not None:
-            self.head = self.head[index]
-
-    def new_buffers(self, heads: int, head_dim: int, layers: int, capacity: int, dtype: torch.dtype) -> None:
-        """Zeroed KV buffers of ``capacity`` columns for every row."""
-        shape = (self.x.shape[0], heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.x.device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.x.device) for _ in range(layers)]
-
-    def grow(self, capacity: int) -> None:
-        """At least ``capacity`` columns in the KV buffers."""
-        self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
-
-    def store(self, cache: "DynamicCache", index: Tensor | None, capacity: int) -> None:
-        """The KV of a forward from column 0 (``cache``: a DynamicCache of rows ``index``, None = every row)
-        becomes those rows' columns ``0 ..``; buffers of ``capacity`` columns are made on first use."""
-        if self.keys is None:
-            k = cache.layers[0].keys
-            self.new_buffers(k.shape[1], k.shape[3], len(cache.layers), capacity, k.dtype)
-        for i, layer in enumerate(cache.layers):
-            n = layer.keys.shape[2]
-            if index is None:
-                self.keys[i][:, :, :n] = layer.keys
-                self.values[i][:, :, :n] = layer.values
-            else:
-                self.keys[i][index, :, :n] = layer.keys
-                self.values[i][index, :, :n] = layer.values
-
-    def rows_kv(self, index: Tensor | None) -> tuple[list[Tensor], list[Tensor]]:
-        """The KV buffers of rows ``index`` (a copy), or the buffers themselves (None = every row)."""
-        if index is None:
-            return self.keys, self.values
-        return [k.index_select(0, index) for k in self.keys], [v.index_select(0, index) for v in self.values]
-
-    def set_head(self, head: Tensor, index: Tensor | None) -> None:
-        """``head [g, V]`` becomes the head of rows ``index`` (None = every row)."""
-        if index is None:
-            self.head = head
-            return
-        if self.head is None:
-            self.head = head.new_zeros((self.x.shape[0], head.shape[-1]))
-        self.head[index] = head
-
-
 class LladaDecoder(Decoder):
     name = "llada"
     Options = LladaOptions
@@ -473,7 +347,7 @@ class LladaDecoder(Decoder):
         key = torch.arange(width, device=dev)[None, None, :]
         allowed = ((key >= pad[:, None, None]) & (key < N)) | (key == cols[:, :, None])  # [g, T, width]
         keys, values = state.rows_kv(index)  # a cached step's KV is scratch: written in place, never kept
-        cache = column_cache(keys, values, lo, T, width)
+        cache = offset_cache(keys, values, lo, T, width)
         mask = additive_mask(allowed, dt)
         if shift:  # s is predicted from s-1, outside the window: the last refresh's head
             window = bb.forward(ids, pos, cache, attn_mask=mask, logits_at=slice(0, L - 1) if L > 1 else None)

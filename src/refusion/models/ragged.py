@@ -53,9 +53,11 @@ class ForwardRequest:
         return [int(i) for i in self.logits_at]
 
 
-class _OffsetLayer(DynamicLayer):
-    """One layer of one forward: writes the new KV of row r at columns ``offsets[r] ..`` of the buffers and
-    returns the first ``width`` columns for attention."""
+class OffsetLayer(DynamicLayer):
+    """One layer of one batched forward over per-row KV buffers ``[R, n_kv_heads, C, head_dim]``: the
+    forward's new KV of row r is written (in place) at columns ``offsets[r] ..`` and every row attends
+    over columns ``0 .. width-1``, its additive mask saying which of them are its keys. Nothing is
+    appended or cropped: which columns hold a row's valid KV is the caller's bookkeeping."""
 
     def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
         super().__init__()
@@ -75,6 +77,25 @@ class _OffsetLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.past + query_length, 0
+
+
+def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int) -> Cache:
+    """A transformers cache over per-layer buffers (:class:`OffsetLayer`) for a forward of ``fed`` tokens
+    per row written at columns ``offsets [R] ..`` and attending over columns ``0 .. width-1``; the mask of
+    that forward is ``[R, 1, fed, width]``."""
+    return Cache(layers=[OffsetLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
+
+
+def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
+    """``buffers [R, H, C, D]`` with at least ``capacity`` columns (dim 2), zero-filled beyond the old ones."""
+    if buffers[0].shape[2] >= capacity:
+        return buffers
+    out = []
+    for t in buffers:
+        new = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+        new[:, :, : t.shape[2]] = t
+        out.append(new)
+    return out
 
 
 class RaggedCache:
@@ -138,18 +159,14 @@ class RaggedCache:
 
     # ------------------------------------------------------------------ forward
     def _ensure(self, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        R = len(self.lengths)
-        if self.keys and self.keys[0].shape[2] >= capacity:
-            return
-        old = self.keys[0].shape[2] if self.keys else 0
-        C = max(capacity, 2 * old, 64)
-        shape = (R, self.n_kv_heads, C, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
-        new_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
-        for i in range(len(self.keys)):
-            new_k[i][:, :, :old] = self.keys[i]
-            new_v[i][:, :, :old] = self.values[i]
-        self.keys, self.values = new_k, new_v
+        """Buffers of at least ``capacity`` columns (doubling), made at the first call."""
+        if not self.keys:
+            shape = (len(self.lengths), self.n_kv_heads, max(capacity, 64), self.head_dim)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
+        elif self.keys[0].shape[2] < capacity:
+            capacity = max(capacity, 2 * self.keys[0].shape[2])
+            self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
 
     def forward(self, requests: list[ForwardRequest], pad_id: int) -> list[Tensor | None]:
         """Run every request in ONE model call (one forward of the backbone); returns each request's logits
@@ -183,7 +200,7 @@ class RaggedCache:
         visible = torch.arange(width, device=dev)[None, None, :] <= (
             offsets[:, None, None] + torch.arange(T, device=dev)[None, :, None])  # [R', T, width]
         mask = torch.where(visible, torch.zeros((), dtype=dtype, device=dev), torch.finfo(dtype).min)[:, None]
-        cache = Cache(layers=[_OffsetLayer(k, v, offsets, past, width) for k, v in zip(keys, values)])
+        cache = offset_cache(keys, values, offsets, T, width)
         wanted = [req.columns() for req in requests]
         union = sorted(set(c for cols in wanted for c in cols))
         any_logits = any(req.logits_at is not None for req in requests)
