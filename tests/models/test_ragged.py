@@ -76,3 +76,22 @@ def test_logits_only_at_the_union_of_requested_positions(backbone):
                          pad_id=backbone.eos_id)
     assert out[0].shape[:2] == (1, 1) and out[1] is None
     assert backbone.logits_rows - rows0 == 2  # one position, both rows of the batch
+
+
+def test_forking_and_dropping_rows_copy_nothing_until_the_next_forward(backbone):
+    shared = RaggedCache(backbone)
+    a, b, c = shared.new_view(), shared.new_view(), shared.new_view()
+    shared.forward([ForwardRequest(v, torch.tensor([10 + i, 11]), torch.arange(2)) for i, v in enumerate((a, b, c))],
+                   pad_id=backbone.eos_id)
+    buffer = shared.keys[0]
+    backbone.repeat_rows(b, 3)
+    a.release()
+    assert shared.keys[0] is buffer and shared.phys == [1, 1, 1, 2] and shared.lengths == [2, 2, 2, 2]
+    ref = backbone.new_cache()
+    single(backbone, [11, 11], cache=ref)
+    backbone.repeat_rows(ref, 3)
+    rows = torch.tensor([[12], [13], [14]])
+    got = shared.forward([ForwardRequest(b, rows, torch.tensor([[2], [2], [2]])),
+                          ForwardRequest(c, torch.tensor([15]), torch.tensor([2]))], pad_id=backbone.eos_id)
+    assert shared.keys[0].shape[0] == 4 and shared.phys == [0, 1, 2, 3]  # one gather, in request order
+    torch.testing.assert_close(got[0], backbone.forward(rows, torch.tensor([[2], [2], [2]]), ref), **TOL)

@@ -6,8 +6,8 @@ II-b gives a sequence one row per chosen slot), and every row has its own length
 tokens at columns ``0 .. lengths[r]-1``, in the order the sequence's single-row cache would hold them.
 A forward writes each row's new tokens right after that row's own length (a per-row offset, no gaps)
 and attends with a per-row mask, so no row ever pays for another row's length beyond the padding of
-the key dimension to the longest row. Crop is a change of a host integer; only forking, merging and
-dropping rows copy tensors (a gather over rows).
+the key dimension to the longest row. Crop is a change of a host integer; forking, reordering and
+dropping rows change a host mapping, which the next forward applies in one gather over rows.
 
 A sequence sees its rows through a :class:`CacheView`, which :class:`~refusion.models.backend.Backbone`'s
 cache operations (``crop``, ``select``, ``repeat_rows``, ``concat_rows``, ``cache_len``, ``cache_rows``)
@@ -100,7 +100,12 @@ def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
 
 class RaggedCache:
     """The shared KV of a batch (see the module docstring). ``lengths`` and the views' rows live on the
-    host; the buffers are allocated at the first forward and grow by doubling."""
+    host; the buffers are allocated at the first forward and grow by doubling.
+
+    Rows are logical: forking, dropping or reordering a sequence's rows only changes ``phys`` (logical
+    row -> row of the buffers, repeats allowed). The buffers are gathered into the new order by the next
+    forward, in the same copy that forward needs anyway, so a step in which several sequences fork,
+    merge or finish copies the cache once, not once per change."""
 
     def __init__(self, backbone) -> None:
         self.backbone = backbone
@@ -108,9 +113,10 @@ class RaggedCache:
         self.n_layers = int(cfg.num_hidden_layers)
         self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.keys: list[Tensor] = []
+        self.keys: list[Tensor] = []  # per layer [rows of the buffers, n_kv_heads, C, head_dim]
         self.values: list[Tensor] = []
-        self.lengths: list[int] = []  # per row
+        self.lengths: list[int] = []  # per logical row
+        self.phys: list[int] = []  # per logical row: its row in the buffers
         self.views: list[CacheView] = []
 
     # ------------------------------------------------------------------ rows
@@ -120,42 +126,50 @@ class RaggedCache:
         self.lengths.append(0)
         self.views.append(view)
         if self.keys:
+            self.phys.append(self.keys[0].shape[0])
             self.keys = [torch.cat([k, k.new_zeros((1, *k.shape[1:]))]) for k in self.keys]
             self.values = [torch.cat([v, v.new_zeros((1, *v.shape[1:]))]) for v in self.values]
+        else:
+            self.phys.append(len(self.phys))
         return view
 
     def _set_rows(self, view: "CacheView", new_rows: list[int]) -> None:
         """Replace ``view``'s rows by ``new_rows`` (indices of current rows, repeats allowed), keeping every
-        other view's rows and the row order of the batch otherwise."""
+        other view's rows and the row order of the batch otherwise. No tensor is copied here."""
         order: list[int] = []
         placed = False
+        mine = set(view.rows)
         for r in range(len(self.lengths)):
-            if r in view.rows:
+            if r in mine:
                 if not placed:
                     order.extend(new_rows)
                     placed = True
             else:
                 order.append(r)
         others = [v for v in self.views if v is not view]
-        owner = {r: v for v in others for r in v.rows}
-        if self.keys:
-            index = from_host(order, self.keys[0].device, torch.long)
-            self.keys = [k.index_select(0, index) for k in self.keys]
-            self.values = [v.index_select(0, index) for v in self.values]
+        owner = {r: id(v) for v in others for r in v.rows}
         self.lengths = [self.lengths[r] for r in order]
+        self.phys = [self.phys[r] for r in order]
         new_view_rows: list[int] = []
         other_rows: dict[int, list[int]] = {}
-        mine = set(view.rows)
         for i, r in enumerate(order):
             if r in mine:
                 new_view_rows.append(i)
             else:
-                other_rows.setdefault(id(owner[r]), []).append(i)
+                other_rows.setdefault(owner[r], []).append(i)
         view.rows = new_view_rows
         for v in others:
             v.rows = other_rows.get(id(v), [])
         if not view.rows:
             self.views.remove(view)
+
+    def _materialize(self) -> None:
+        """Gather the buffers into logical row order (one copy; none when they are in it already)."""
+        if self.keys and self.phys != list(range(self.keys[0].shape[0])):
+            index = from_host(self.phys, self.keys[0].device, torch.long)
+            self.keys = [k.index_select(0, index) for k in self.keys]
+            self.values = [v.index_select(0, index) for v in self.values]
+        self.phys = list(range(len(self.lengths)))
 
     # ------------------------------------------------------------------ forward
     def _ensure(self, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -164,6 +178,7 @@ class RaggedCache:
             shape = (len(self.lengths), self.n_kv_heads, max(capacity, 64), self.head_dim)
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
+            self.phys = list(range(len(self.lengths)))
         elif self.keys[0].shape[2] < capacity:
             capacity = max(capacity, 2 * self.keys[0].shape[2])
             self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
@@ -176,7 +191,7 @@ class RaggedCache:
         the row's real ones and never counted (the row's length advances by its real tokens only, and
         only with ``keep_kv``). Each row attends causally to its own tokens (mask: key ``j`` visible to
         new token ``t`` iff ``j <= lengths[r] + t``). Logits are computed at the union of the requested
-        positions."""
+        positions. When the requests cover every row, the buffers end in the requests' row order."""
         bb = self.backbone
         dev, dtype = bb.device, bb.model.dtype
         rows = [r for req in requests for r in req.cache.rows]
@@ -186,11 +201,14 @@ class RaggedCache:
         lengths = [self.lengths[r] for r in rows]
         past = max(lengths)
         self._ensure(past + T, dev, dtype)
-        full = rows == list(range(len(self.lengths)))
-        if full:
-            keys, values = self.keys, self.values
+        every = len(rows) == len(self.lengths)
+        if not every:  # a forward of some sequences alone: their rows are copied out and back
+            self._materialize()
+        physical = [self.phys[r] for r in rows]
+        if every and physical == list(range(self.keys[0].shape[0])):
+            keys, values = self.keys, self.values  # rows already in this order: no copy
         else:
-            index = from_host(rows, dev, torch.long)
+            index = from_host(physical, dev, torch.long)
             keys = [k.index_select(0, index) for k in self.keys]
             values = [v.index_select(0, index) for v in self.values]
         ids = torch.cat([_pad_right(req.ids.to(dev), T, pad_id) for req in requests])  # [R', T]
@@ -206,7 +224,11 @@ class RaggedCache:
         any_logits = any(req.logits_at is not None for req in requests)
         logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
                             logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
-        if not full:
+        if every:  # the gathered buffers are the cache now, row i holding logical row rows[i]
+            self.keys, self.values = keys, values
+            for i, r in enumerate(rows):
+                self.phys[r] = i
+        else:
             for i in range(self.n_layers):
                 self.keys[i].index_copy_(0, index, keys[i])
                 self.values[i].index_copy_(0, index, values[i])
@@ -274,14 +296,16 @@ class CacheView:
         total = base_len + sum(lengths)
         if len(lengths) > 1:
             o = self.owner
+            if o.phys.count(o.phys[first]) > 1:  # row ``first`` is written in place: it must own its buffer row
+                o._materialize()
             dev = o.keys[0].device
-            src_rows = [self.rows[s] for s, n in enumerate(lengths) for _ in range(n)]
+            src_rows = [o.phys[self.rows[s]] for s, n in enumerate(lengths) for _ in range(n)]
             src_cols = [base_len + j for n in lengths for j in range(n)]
             rows_t, cols_t = from_host(src_rows, dev, torch.long), from_host(src_cols, dev, torch.long)
             o._ensure(total, dev, o.keys[0].dtype)
             for store in (o.keys, o.values):
                 for i, t in enumerate(store):
                     gathered = t[rows_t, :, cols_t]  # [n, H, D]
-                    t[first, :, base_len:total] = gathered.transpose(0, 1)
+                    t[o.phys[first], :, base_len:total] = gathered.transpose(0, 1)
         self.owner.lengths[first] = total
         self.owner._set_rows(self, [first])
