@@ -2,7 +2,8 @@
 # The GPU check in one run (a few minutes on one CUDA device): the `gpu` tests (CPU and CUDA outputs
 # identical in float32 on the shipped models, bfloat16 decodes, no synchronisation beyond the documented
 # host reads under torch.cuda.set_sync_debug_mode) and ReFusion against AR on a random Qwen3 of 0.6B
-# shape in bfloat16. Output goes to OUT_DIR (default runs/gpu_check): pytest.log, gpu_bench.json, report.md.
+# shape in bfloat16, at batch 1 and in batches of 4 and 16 (aggregate tokens/s).
+# Output goes to OUT_DIR (default runs/gpu_check): pytest.log, gpu_bench.json, report.md.
 #   scripts/gpu_check.sh [OUT_DIR]        PYTHON=... to choose the interpreter (default .venv/bin/python,
 #                                         else python3 with src/ on PYTHONPATH)
 set -uo pipefail

@@ -40,3 +40,10 @@ def test_each_sequence_of_a_batch_decodes_as_alone(backbone, lengths, seed, gen_
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
     assert [r.stats.nfe for r in batch] == [r.stats.nfe for r in alone]
     assert batch[0].stats.batch_nfe == max(r.stats.nfe for r in alone)  # one forward per step for all
+
+
+def test_a_batch_refuses_flash_attention(backbone, monkeypatch):
+    monkeypatch.setattr(backbone.model.config, "_attn_implementation", "flash_attention_2")
+    dec = build_decoder(backbone, {"decoder": "ar", "gen_length": 4})
+    with pytest.raises(ValueError, match="flash_attention_2.*sdpa or eager"):
+        dec.generate_batch([[10, 11], [12]])

@@ -183,6 +183,12 @@ class Decoder(ABC):
         prompts = [self._checked_prompt(p) for p in prompts]
         if not self.batched or len(prompts) == 1:
             return [self.generate(p) for p in prompts]
+        attn = getattr(self.backbone.model.config, "_attn_implementation", None)
+        if attn == "flash_attention_2":
+            raise ValueError(
+                "a batch attends through per-row 4D attention masks, which attn_implementation "
+                "'flash_attention_2' does not take; use sdpa or eager (--attn-implementation), or batch size 1"
+            )
         nfe0 = self.backbone.nfe
         generator = torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
         t0 = time.perf_counter()
