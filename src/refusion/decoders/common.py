@@ -1,4 +1,5 @@
-"""Small helpers shared by decoding loops: cutting at EOS, and the padding and masks of a batch."""
+"""Helpers shared by decoding loops: cutting at EOS, the rows of a left-padded batch, and the drivers that
+run a loop written as a generator of forwards and host reads, alone or as a batch."""
 
 from __future__ import annotations
 
@@ -38,14 +39,6 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) 
     pos = [[0] * (width - len(p)) + list(range(len(p))) for p in prompts]
     real = [[False] * (width - len(p)) + [True] * len(p) for p in prompts]
     return from_host(ids, device), from_host(pos, device), from_host(real, device)
-
-
-def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """``allowed [B, T, K]`` bool (query t may attend key k) -> ``[B, 1, T, K]`` additive mask of ``dtype``
-    (0 where allowed, the dtype's lowest float elsewhere), for :meth:`~refusion.models.backend.Backbone.forward`.
-    Every query must be allowed at least one key (a padding query: itself), or attention yields NaN."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
 
 def fed_window(x: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, fed: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -72,8 +72,8 @@ from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host, to_host
 from refusion.core.interfaces import Decoder, DecoderOptions, Selector
 from refusion.core.types import IterationTrace, LoopOutput
-from refusion.decoders.common import BatchRows, additive_mask, cut_after_eos, fed_window, left_pad
-from refusion.models.ragged import offset_cache
+from refusion.decoders.common import BatchRows, cut_after_eos, fed_window, left_pad
+from refusion.models.ragged import additive_mask, offset_cache
 from refusion.plugins.token_selectors import TokenSelector
 
 

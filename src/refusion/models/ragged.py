@@ -86,6 +86,14 @@ def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed:
     return Cache(layers=[OffsetLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
 
 
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """``allowed [B, T, K]`` bool (query t may attend key k) -> ``[B, 1, T, K]`` additive mask of ``dtype``
+    (0 where allowed, the dtype's lowest float elsewhere), for :meth:`~refusion.models.backend.Backbone.forward`.
+    Every query must be allowed at least one key (a padding query: itself), or attention yields NaN."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
 def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
     """``buffers [R, H, C, D]`` with at least ``capacity`` columns (dim 2), zero-filled beyond the old ones."""
     if buffers[0].shape[2] >= capacity:
@@ -217,7 +225,7 @@ class RaggedCache:
         width = past + T
         visible = torch.arange(width, device=dev)[None, None, :] <= (
             offsets[:, None, None] + torch.arange(T, device=dev)[None, :, None])  # [R', T, width]
-        mask = torch.where(visible, torch.zeros((), dtype=dtype, device=dev), torch.finfo(dtype).min)[:, None]
+        mask = additive_mask(visible, dtype)
         cache = offset_cache(keys, values, offsets, T, width)
         wanted = [req.columns() for req in requests]
         union = sorted(set(c for cols in wanted for c in cols))
