@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="model folder or shipped checkpoint name")
     g.add_argument("--decoder", default="", help="registered decoder name (refusion, ar, ...)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--config", help="YAML or TOML decoder config")
+    g.add_argument("--config", help="YAML or TOML decoder config ('-': YAML from standard input)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("--trace", action="store_true", help="with --json: include the per-iteration trace")

@@ -54,3 +54,13 @@ def test_dump_round_trip():
     again = dump_config("refusion", opts)
     _, opts2, _ = validate_config(again)
     assert opts2 == opts
+
+
+def test_a_config_from_standard_input(monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("decoder: refusion\nslot_size: 4\n"))
+    assert load_config_file("-") == {"decoder": "refusion", "slot_size": 4}
+    monkeypatch.setattr("sys.stdin", io.StringIO("- a list\n"))
+    with pytest.raises(ConfigError, match="standard input must hold a mapping"):
+        load_config_file("-")

@@ -17,6 +17,7 @@ Every level rejects unknown fields, and errors name the field (``selector.slot_t
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,7 +127,13 @@ def dump_config(decoder: str, options: DecoderOptions) -> dict[str, Any]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file into a mapping."""
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file into a mapping; ``-`` reads YAML
+    from standard input."""
+    if str(path) == "-":
+        data = yaml.safe_load(sys.stdin.read()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError("config from standard input must hold a mapping at the top level")
+        return data
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
