@@ -125,6 +125,27 @@ def test_goal_lines_compare_each_decoder_with_ar_of_its_task():
         "arith: block 4.00x ar's tokens/s, -2.5 points (97.0% vs 99.5%, n 200): goal not met",
         "facts: refusion 1.80x ar's tokens/s, +1.0 points (99.0% vs 98.0%, n 200): goal not met",
     ]
+    rows[2].update(speedup_interval=[1.7, 1.9], accuracy_diff={"low": -0.01, "high": 0.03, "p_value": 0.5})
+    assert goal_lines(rows)[2] == ("facts: refusion 1.80x [1.70, 1.90] ar's tokens/s, +1.0 points [-1.0, +3.0], "
+                                   "McNemar p 0.5 (99.0% vs 98.0%, n 200): goal not met")
+
+
+def test_rows_carry_paired_intervals_against_the_baseline():
+    from refusion.experiments.runner import Run, summarize
+
+    def rec(run, idx, correct, seconds):
+        return {"run": run, "task": "arith", "idx": idx, "correct": correct, "generated_tokens": 10,
+                "nfe": 10, "wall_s": seconds}
+
+    records = [rec("ar", i, True, 1.0) for i in range(20)] + [rec("fast", i, i != 3, 0.5) for i in range(20)]
+    runs = [Run(label="ar", model="m", configs={"arith": {"decoder": "ar"}}),
+            Run(label="fast", model="m", configs={"arith": {"decoder": "refusion"}})]
+    ar, fast = summarize(records, runs, baseline="ar")
+    assert "accuracy_diff" not in ar
+    d = fast["accuracy_diff"]
+    assert d["value"] == pytest.approx(-0.05) and (d["only_baseline"], d["only_this"], d["n"]) == (1, 0, 20)
+    assert d["low"] <= -0.05 <= d["high"] and d["p_value"] == 1.0
+    assert fast["speedup_interval"] == pytest.approx([2.0, 2.0])
 
 
 def test_batched_bench_decodes_chunks_and_reports_aggregate_throughput(tmp_path, bench_config, monkeypatch):

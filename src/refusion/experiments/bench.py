@@ -149,8 +149,9 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (task, decoder other than ``ar``): its ``speedup_vs_ar``, its accuracy against ``ar``'s
-    in the same run, and whether that meets the goal (``GOAL_SPEEDUP``, ``GOAL_POINTS``); task by task in
-    name order. Tasks without an ``ar`` row give no line."""
+    in the same run (with their paired 95% intervals and McNemar's p when the row has them), and whether
+    the point estimates meet the goal (``GOAL_SPEEDUP``, ``GOAL_POINTS``); task by task in name order.
+    Tasks without an ``ar`` row give no line."""
     ar = {r["task"]: r for r in rows if r["run"] == "ar"}
     lines = []
     for r in sorted(rows, key=lambda r: r["task"]):
@@ -159,7 +160,13 @@ def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
             continue
         points = 100 * (r["accuracy"] - b["accuracy"])
         met = r["speedup_vs_ar"] >= GOAL_SPEEDUP and points >= -GOAL_POINTS - 1e-9  # accuracies are ratios: float slack
-        lines.append(f"{r['task']}: {r['run']} {r['speedup_vs_ar']:.2f}x ar's tokens/s, {points:+.1f} points "
+        speed, diff = f"{r['speedup_vs_ar']:.2f}x", f"{points:+.1f} points"
+        if r.get("speedup_interval"):  # paired 95% intervals (runner.add_paired_intervals)
+            speed += " [{:.2f}, {:.2f}]".format(*r["speedup_interval"])
+        if r.get("accuracy_diff"):
+            d = r["accuracy_diff"]
+            diff += f" [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}], McNemar p {d['p_value']:.2g}"
+        lines.append(f"{r['task']}: {r['run']} {speed} ar's tokens/s, {diff} "
                      f"({100 * r['accuracy']:.1f}% vs {100 * b['accuracy']:.1f}%, n {r['n']}): "
                      f"goal {'met' if met else 'not met'}")
     return lines

@@ -100,7 +100,33 @@ def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | No
     base = {r["task"]: r["tokens_per_second"] for r in rows if r["run"] == baseline}
     for r in rows:
         r["speedup"] = r["tokens_per_second"] / base[r["task"]] if base.get(r["task"]) else None
+    if baseline is not None:
+        add_paired_intervals(rows, groups, baseline)
     return rows
+
+
+def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str], list[dict]], baseline: str) -> None:
+    """For each row of another run than ``baseline``, on the samples both decoded (matched by ``idx``):
+    ``accuracy_diff`` (this run's accuracy minus the baseline's, with its 95% paired-bootstrap interval,
+    the exact McNemar p-value and the discordant counts) and ``speedup_interval`` (95% paired-bootstrap
+    interval of the tokens/s ratio, from each sample's tokens and decode time)."""
+    from refusion.experiments.stats import paired_accuracy, throughput_ratio
+
+    for row in rows:
+        ref = groups.get((baseline, row["task"]))
+        if row["run"] == baseline or not ref:
+            continue
+        mine = {r["idx"]: r for r in groups[row["run"], row["task"]]}
+        pairs = [(b, mine[b_idx]) for b_idx, b in ((r["idx"], r) for r in ref) if b_idx in mine]
+        if not pairs:
+            continue
+        acc = paired_accuracy([b["correct"] for b, _ in pairs], [m["correct"] for _, m in pairs])
+        row["accuracy_diff"] = {"value": acc.difference.value, "low": acc.difference.low,
+                                "high": acc.difference.high, "p_value": acc.p_value, "n": acc.n,
+                                "only_baseline": acc.only_a, "only_this": acc.only_b}
+        ratio = throughput_ratio([b["generated_tokens"] for b, _ in pairs], [decode_share_s(b) for b, _ in pairs],
+                                 [m["generated_tokens"] for _, m in pairs], [decode_share_s(m) for _, m in pairs])
+        row["speedup_interval"] = [ratio.low, ratio.high]
 
 
 def check_batch_size(value: int | None, field: str = "--batch-size") -> int | None:
