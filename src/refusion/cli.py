@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from refusion.experiments.profile import add_profile_command
     from refusion.experiments.results import add_results_command
     from refusion.eval.cli import add_eval_command
+    from refusion.eval.table import add_eval_table_command
     from refusion.training.cli import add_train_command
 
     add_bench_command(sub)
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_results_command(sub)
     add_train_command(sub)
     add_eval_command(sub)
+    add_eval_table_command(sub)
     return parser
 
 
@@ -115,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
