@@ -1,5 +1,6 @@
 """Model families: detection from config.json, the family deciding attention / mask / shift / EOS, and
-local stand-ins of the remote-code families (LLaDA, Dream) that load only with trust_remote_code."""
+local stand-ins of the remote-code families (LLaDA, Dream) whose own code loads only with trust_remote_code
+(their native loading, the default, is tested in test_native.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from refusion.core.config import build_decoder
 from refusion.models.backend import Backbone, MaskTokenError
 from refusion.models.build import build_model
 from refusion.models.families import (
-    FAMILIES, DreamAdapter, FamilyError, LladaAdapter, detect_family, get_family,
+    FAMILIES, DreamAdapter, FamilyError, LladaAdapter, detect_family, get_family, load_model,
 )
 from refusion.models.loading import save_pretrained
 
@@ -123,6 +124,8 @@ def test_registry_holds_the_reference_facts():
     assert {126081, 126348} <= set(FAMILIES["llada"].eos_ids)
     assert FAMILIES["dream"].logits_shifted and not FAMILIES["llada"].logits_shifted
     assert FAMILIES["llada"].remote_code and FAMILIES["dream"].remote_code and not FAMILIES["refusion"].remote_code
+    assert (FAMILIES["llada"].native, FAMILIES["dream"].native) == ("llama", "qwen2")
+    assert not any(f.native for n, f in FAMILIES.items() if n not in ("llada", "dream"))
     assert FAMILIES["qwen3"].decoders == ("ar",) and not FAMILIES["qwen3"].mask_required
     assert {n: f.attention for n, f in FAMILIES.items() if n.startswith("tiny")} == {
         "tiny-causal": "causal", "tiny-mdm": "bidirectional", "tiny-block": "block_causal"}
@@ -136,6 +139,8 @@ def test_registry_holds_the_reference_facts():
     ({"model_type": "qwen3", "refusion_attention": "causal", "mask_token_id": 3}, "tiny-causal"),
     ({"model_type": "llada", "architectures": ["LLaDAModelLM"]}, "llada"),
     ({"model_type": "Dream", "architectures": ["DreamModel"]}, "dream"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "refusion_family": "llada"}, "llada"),  # native
+    ({"model_type": "qwen2", "refusion_family": "dream"}, "dream"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "mask_token_id": 151670}, "refusion"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "qwen3"),
 ])
@@ -195,8 +200,10 @@ def test_plain_qwen3_is_autoregressive_only_and_family_override_gives_refusion_i
 @pytest.mark.parametrize("kind, adapter", [("llada", LladaAdapter), ("dream", DreamAdapter)])
 def test_remote_code_family_loads_only_when_trusted(tmp_path, kind, adapter):
     folder = write_standin(kind, tmp_path / kind)
+    with pytest.raises(FamilyError, match=r"published format only; .*pass --trust-remote-code"):
+        Backbone.from_pretrained(folder)  # native by default: a stand-in is not in the published format
     with pytest.raises(FamilyError, match=r"modeling_.*only loaded with --trust-remote-code"):
-        Backbone.from_pretrained(folder)
+        load_model(folder, get_family(kind), native=False)
     bb = Backbone.from_pretrained(folder, trust_remote_code=True)
     assert isinstance(bb.model, adapter) and bb.family == kind and bb.attention == "bidirectional"
     assert bb.mask_id == 3 and bb.logits_shifted == (kind == "dream")

@@ -2,38 +2,42 @@
 
 A :class:`Family` says how a model attends (``causal`` / ``bidirectional`` / ``block_causal``), which
 token is its [MASK], whether its logits are *shifted* (the logits at position i predict token i+1 even
-at a [MASK] input: Dream), its EOS ids, which decoders can drive it, and whether it needs its own
-modeling code (``trust_remote_code``). :func:`detect_family` reads it from ``config.json``; a family
-name given by the caller (``--family NAME``, ``family=``) overrides the detection.
+at a [MASK] input: Dream), its EOS ids, which decoders can drive it, and which transformers class its
+weights load as (LLaDA and Dream: natively, or their own code with ``trust_remote_code``).
+:func:`detect_family` reads it from ``config.json``; a family name given by the caller
+(``--family NAME``, ``family=``) overrides the detection.
 
-=============  ==============  ===========  =======  ======================  ================  ===========
-family         attention       mask id      shifted  EOS ids                 decoders          remote code
-=============  ==============  ===========  =======  ======================  ================  ===========
-refusion       causal          151670       no       config + 151643/151645  refusion, ar      no
-qwen3          causal          (optional)   no       config + 151643/151645  ar                no
-llada          bidirectional   126336       no       126081, 126348          llada             yes
-dream          bidirectional   151666       yes      151643, 151645          llada             yes
-tiny-causal    causal          tokenizer    no       config                  refusion, ar      no
-tiny-mdm       bidirectional   tokenizer    no       config                  llada             no
-tiny-block     block_causal    tokenizer    no       config                  block             no
-=============  ==============  ===========  =======  ======================  ================  ===========
+=============  ==============  ===========  =======  ======================  ================  ==================
+family         attention       mask id      shifted  EOS ids                 decoders          loads as
+=============  ==============  ===========  =======  ======================  ================  ==================
+refusion       causal          151670       no       config + 151643/151645  refusion, ar      Qwen3
+qwen3          causal          (optional)   no       config + 151643/151645  ar                Qwen3
+llada          bidirectional   126336       no       126081, 126348          llada             Llama (native)
+dream          bidirectional   151666       yes      151643, 151645          llada             Qwen2 (native)
+tiny-causal    causal          tokenizer    no       config                  refusion, ar      Qwen3
+tiny-mdm       bidirectional   tokenizer    no       config                  llada             Qwen3
+tiny-block     block_causal    tokenizer    no       config                  block             Qwen3
+=============  ==============  ===========  =======  ======================  ================  ==================
 
-Detection (first match wins): ``refusion_attention`` in the config (the tiny models of this project,
-by attention kind); ``model_type`` / ``architectures`` naming LLaDA or Dream; a Qwen3 with a mask token
-(``config.mask_token_id``, or the tokenizer files declare a mask token / add ``<|mask|>``: ReFusion is
-Qwen3-8B plus ``<|beginoftext|>`` 151669 and ``<|mask|>`` 151670); any other Qwen3 (plain
-autoregressive: a Qwen3 tokenizer has no mask token). Anything else is an error naming the
-families, and ``--family`` chooses one by hand.
+Detection (first match wins): ``refusion_family`` in the config (a native LLaDA / Dream model in
+memory); ``refusion_attention`` (the tiny models of this project, by attention kind); ``model_type`` /
+``architectures`` naming LLaDA or Dream; a Qwen3 with a mask token (``config.mask_token_id``, or the
+tokenizer files declare a mask token / add ``<|mask|>``: ReFusion is Qwen3-8B plus ``<|beginoftext|>``
+151669 and ``<|mask|>`` 151670); any other Qwen3 (plain autoregressive: a Qwen3 tokenizer has no mask
+token). Anything else is an error naming the families, and ``--family`` chooses one by hand.
 
 Mask id resolution: ``config.mask_token_id``, else the tokenizer's mask token, else the family's id
 (a mask id outside the vocabulary is an error). EOS ids: ``config.eos_token_id`` and the tokenizer's
 EOS, plus the family's own ids that lie inside the vocabulary.
 
-LLaDA and Dream ship their modeling code with the weights (``auto_map`` in ``config.json``); they load
-only with ``trust_remote_code=True`` and are driven through a small adapter (:func:`adapt_model`)
-that calls them with their own keyword conventions (LLaDA: no ``position_ids``, positions 0..T-1, an
-additive ``attention_bias``; Dream: no 2D mask for full attention). Neither adapter uses a KV cache:
-run the ``llada`` decoder with ``kv_cache: none`` on them.
+LLaDA and Dream load natively by default (:mod:`refusion.models.native`): their published weights on
+transformers' own ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with bidirectional attention, no remote
+code, so the ``llada`` decoder's prefix / dual KV caches, sdpa, any dtype and batches work on them. They
+also ship their own modeling code (``auto_map`` in ``config.json``, written for transformers 4.x); with
+``trust_remote_code=True`` (``--trust-remote-code``) or ``native=False`` that code is loaded instead and
+driven through a small adapter (:func:`adapt_model`) that calls it with its own keyword conventions
+(LLaDA: no ``position_ids``, positions 0..T-1, an additive ``attention_bias``; Dream: no 2D mask for full
+attention). Neither adapter uses a KV cache: run the ``llada`` decoder with ``kv_cache: none`` on them.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ class Family:
     mask_required: bool = True  # False: an AR-only family may have no mask token
     logits_shifted: bool = False  # logits at i predict token i+1, also at [MASK] inputs (Dream)
     eos_ids: tuple[int, ...] = ()  # extra EOS ids (added to the config's/tokenizer's when in vocab)
-    remote_code: bool = False  # needs its own modeling code (trust_remote_code=True)
+    remote_code: bool = False  # ships its own modeling code (loaded only with trust_remote_code=True)
     adapter: str | None = None  # forward adapter for remote-code models ("llada" | "dream")
+    native: str | None = None  # transformers architecture its checkpoints load as without remote code
     description: str = ""
 
     def check_decoder(self, decoder: str) -> None:
@@ -123,10 +128,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "causal", ("ar",), mask_required=False, eos_ids=QWEN_EOS,
            description="plain Qwen3 causal LM (autoregressive only)"),
     Family("llada", "bidirectional", ("llada",), mask_id=LLADA_MASK_ID, eos_ids=LLADA_EOS, remote_code=True,
-           adapter="llada", description="LLaDA-8B masked diffusion model (own modeling code)"),
+           adapter="llada", native="llama", description="LLaDA-8B masked diffusion model (Llama weights, bidirectional)"),
     Family("dream", "bidirectional", ("llada",), mask_id=DREAM_MASK_ID, logits_shifted=True, eos_ids=QWEN_EOS,
-           remote_code=True, adapter="dream",
-           description="Dream-7B masked diffusion model with shifted logits (own modeling code)"),
+           remote_code=True, adapter="dream", native="qwen2",
+           description="Dream-7B masked diffusion model with shifted logits (Qwen2 weights, bidirectional)"),
     Family("tiny-causal", "causal", ("refusion", "ar"), description="this project's causal tiny models"),
     Family("tiny-mdm", "bidirectional", ("llada",), description="this project's bidirectional tiny models"),
     Family("tiny-block", "block_causal", ("block",), description="this project's block-causal tiny models"),
@@ -169,6 +174,8 @@ def has_mask_token(path: str | os.PathLike) -> bool:
 
 def detect_family(config: dict[str, Any], path: str | os.PathLike | None = None) -> Family:
     """The family of a checkpoint from its ``config.json`` dict (``path``: its folder, for tokenizer files)."""
+    if config.get("refusion_family") in FAMILIES:  # a native LLaDA / Dream model (refusion.models.native)
+        return FAMILIES[config["refusion_family"]]
     attention = config.get("refusion_attention")
     if attention is not None:
         if attention not in TINY_BY_ATTENTION:
@@ -225,20 +232,40 @@ def needs_remote_code(config: dict[str, Any], family: Family) -> bool:
     return bool(config.get("auto_map")) and config.get("model_type") not in CONFIG_MAPPING
 
 
+def uses_native(family: Family, trust_remote_code: bool = False, native: bool | None = None) -> bool:
+    """Whether ``family`` loads through :mod:`refusion.models.native`: ``native`` when given (True for a
+    family without a native mapping is an error), else for a family with one unless remote code is trusted."""
+    if native is None:
+        return family.native is not None and not trust_remote_code
+    if native and family.native is None:
+        raise FamilyError(f"family {family.name!r} has no native mapping; native loading serves: "
+                          f"{', '.join(f.name for f in FAMILIES.values() if f.native)}")
+    return bool(native)
+
+
 def load_model(
     path: str | os.PathLike, family: Family, runtime: "Runtime | None" = None, trust_remote_code: bool = False,
+    native: bool | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Load ``(model, tokenizer)`` of ``family`` from a local folder as ``runtime`` says (default:
-    ``Runtime.resolve()``, float32 / sdpa on the CPU); remote code only when allowed. Flash attention is
-    refused for families that attend through 4D masks (bidirectional, block-causal)."""
+    ``Runtime.resolve()``, float32 / sdpa on the CPU); remote code only when allowed. LLaDA and Dream
+    load natively (:mod:`refusion.models.native`, no remote code) unless ``trust_remote_code`` is given
+    or ``native=False``; ``native=True`` loads natively even with ``trust_remote_code``. Flash attention
+    is refused for families that attend through 4D masks (bidirectional, block-causal)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from refusion.models.loading import Runtime, RuntimeOptionError, attn_implementations_here, check_model_dir
+    from refusion.models.loading import Runtime, check_model_dir
 
     runtime = runtime if runtime is not None else Runtime.resolve()
     path = Path(path)
     check_model_dir(path)
     raw = read_config(path)
+    if uses_native(family, trust_remote_code, native):
+        from refusion.models import native as native_models
+
+        _refuse_flash(runtime, family, remote=False)
+        model = native_models.load_native_model(path, family, runtime=runtime)
+        return runtime.place(model), native_models.load_native_tokenizer(path, family)
     remote = needs_remote_code(raw, family)
     if remote and not trust_remote_code:
         code = sorted(p.name for p in path.glob("*.py")) or ["(none found)"]
@@ -246,13 +273,9 @@ def load_model(
             f"{family.name!r} models run their own modeling code ({', '.join(code)} in {str(path)!r}); "
             "it is only loaded with --trust-remote-code (trust_remote_code=True). Read that code first: "
             "it runs with your permissions"
+            + (" (or load it natively, without remote code: native=True)" if family.native else "")
         )
-    if runtime.attn_implementation == "flash_attention_2" and family.attention != "causal" and not remote:
-        allowed = [a for a in attn_implementations_here(True, runtime.dtype) if a != "flash_attention_2"]
-        raise RuntimeOptionError(
-            "attn_implementation", runtime.attn_implementation,
-            f"{family.name!r} models attend {family.attention.replace('_', '-')} through 4D masks, which flash "
-            f"attention does not take; allowed here: {', '.join(allowed)}")
+    _refuse_flash(runtime, family, remote)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     model = auto_class(raw).from_pretrained(
         path, config=config, trust_remote_code=trust_remote_code, local_files_only=True,
@@ -260,6 +283,19 @@ def load_model(
     )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     return adapt_model(runtime.place(model), family), tokenizer
+
+
+def _refuse_flash(runtime: "Runtime", family: Family, remote: bool) -> None:
+    """Flash attention takes no 4D mask: refused for families that attend through one (unless remote code
+    attends its own way)."""
+    from refusion.models.loading import RuntimeOptionError, attn_implementations_here
+
+    if runtime.attn_implementation == "flash_attention_2" and family.attention != "causal" and not remote:
+        allowed = [a for a in attn_implementations_here(True, runtime.dtype) if a != "flash_attention_2"]
+        raise RuntimeOptionError(
+            "attn_implementation", runtime.attn_implementation,
+            f"{family.name!r} models attend {family.attention.replace('_', '-')} through 4D masks, which flash "
+            f"attention does not take; allowed here: {', '.join(allowed)}")
 
 
 # -------------------------------------------------------------------------------------- adapters
@@ -285,7 +321,8 @@ class RemoteCodeAdapter(torch.nn.Module):
         if cache is not None:
             raise FamilyError(
                 f"the {self.family} adapter runs without a KV cache (its modeling code has its own cache "
-                "format); use the llada decoder with kv_cache: none"
+                "format); use the llada decoder with kv_cache: none, or load the checkpoint natively "
+                "(without --trust-remote-code), which has one"
             )
 
     @staticmethod
@@ -309,11 +346,12 @@ class LladaAdapter(RemoteCodeAdapter):
             position_ids, torch.arange(T, device=position_ids.device).expand_as(position_ids)
         ):
             raise FamilyError("LLaDA's modeling code numbers positions 0..T-1 itself; other position ids are not supported")
+        # use_cache given: under transformers 5 LLaDA's config has no use_cache default for its forward to read
         if self._is_full(attention_mask):
-            return self.inner(input_ids=input_ids)
+            return self.inner(input_ids=input_ids, use_cache=False)
         if attention_mask.dim() == 2:
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
-        return self.inner(input_ids=input_ids, attention_bias=attention_mask.float())
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return self.inner(input_ids=input_ids, attention_bias=attention_mask.float(), use_cache=False)
 
 
 class DreamAdapter(RemoteCodeAdapter):
@@ -330,7 +368,7 @@ class DreamAdapter(RemoteCodeAdapter):
             keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T] key padding -> additive
             attention_mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill(
                 ~keep, torch.finfo(self.dtype).min)
-        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
 
 
 ADAPTERS = {"llada": LladaAdapter, "dream": DreamAdapter}
