@@ -3,13 +3,14 @@
 ::
 
     refusion eval --model runs/m --tasks tinybench_arith,tinybench_facts --limit 20 [--batch-size 8]
-    refusion eval --model /ckpt/ReFusion --tasks gsm8k_cot --config src/refusion/eval/configs/gsm8k_cot.yaml \\
+    refusion eval --model /ckpt/ReFusion --tasks refusion_gsm8k_cot --config src/refusion/eval/configs/gsm8k_cot.yaml \\
         --apply-chat-template --gen-length-from config --device cuda --dtype bfloat16 --output out/gsm8k.json
     accelerate launch -m refusion.eval --model ... --tasks ...       # data parallel: one process per GPU
 
 The model is the harness model ``refusion`` (:mod:`refusion.eval.lm_eval_adapter`), passed to
 ``lm_eval.simple_evaluate`` as an instance. Task names starting with ``tinybench_`` (or the tag
-``tinybench``) are written as local tasks first (:func:`refusion.eval.tasks.write_lm_eval_tasks`);
+``tinybench``) are written as local tasks first (:func:`refusion.eval.tasks.write_lm_eval_tasks`); the
+paper's tasks (``refusion_gsm8k_cot``, ``refusion_mbpp``, ...: docs/paper_tasks.md) are always included;
 ``--include-path`` adds folders of your own task YAMLs. When every task is found in those folders the
 harness's ~15k built-in task configs are not indexed (saves ~10 s). Prints the results table and the
 decode statistics (tokens/s, tokens per forward, NFE); ``--output`` writes both as JSON.
@@ -37,7 +38,7 @@ def add_eval_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder or shipped checkpoint name")
-    p.add_argument("--tasks", required=True, help="comma-separated harness task names (tinybench_arith, gsm8k_cot, ...)")
+    p.add_argument("--tasks", required=True, help="comma-separated harness task names (tinybench_arith, refusion_gsm8k_cot, gsm8k_cot, ...)")
     p.add_argument("--config", help="decoder config file (YAML/TOML); default: the family's first decoder")
     p.add_argument("--decoder", default="", help="decoder name (instead of / consistent with the config's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a decoder option")
@@ -82,11 +83,12 @@ def _task_manager(tasks: list[str], include: list[str]):
 
 def run_eval(args: argparse.Namespace) -> int:
     from refusion.eval.tasks import TAG, task_names, write_lm_eval_tasks
+    from refusion.eval.tasks.paper import TASKS_DIR
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--tasks: give at least one task")
-    include = [str(Path(p).expanduser().resolve()) for p in args.include_path]
+    include = [str(TASKS_DIR)] + [str(Path(p).expanduser().resolve()) for p in args.include_path]  # yours win
     wanted_tiny = [t for t in tasks if t in task_names()] or (task_names() if TAG in tasks else [])
     if wanted_tiny:
         tiny_dir = write_lm_eval_tasks(tempfile.mkdtemp(prefix="refusion-tinybench-"), n=args.tinybench_n,

@@ -17,6 +17,9 @@ specified), then ``--include_path <dir>`` (``refusion eval --include-path``) mak
 
 Prompts are plain (``query + "\\n"``, as the tiny models were trained); run these tasks without
 ``--apply_chat_template``. ``refusion eval --tasks tinybench_arith`` writes them on its own.
+
+The ReFusion paper's evaluation tasks (``refusion_gsm8k_cot``, ...) are YAML files shipped in
+:mod:`refusion.eval.tasks.paper` (docs/paper_tasks.md).
 """
 
 from __future__ import annotations
