@@ -66,8 +66,10 @@ def load_column(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def table(columns: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """Markdown: one row per task, per column ``score (tok/s, TPF)``."""
-    tasks = sorted({t for col in columns.values() for t in col})
+    """Markdown: one row per task (a group's subtasks are left out when the group has a row), per column
+    ``score (tok/s, TPF)``."""
+    names = {t for col in columns.values() for t in col}
+    tasks = sorted(t for t in names if not any(t.startswith(g + "_") for g in names if g != t))
     head = "| task | " + " | ".join(columns) + " |"
     lines = [head, "|---|" + "---|" * len(columns)]
     for task in tasks:
