@@ -151,5 +151,40 @@ def test_accelerate_config_files_parse():
     kinds = {p.name: str(ClusterConfig.from_yaml_file(str(p)).distributed_type).split(".")[-1]
              for p in Path(str(folder)).glob("*.yaml")}
     assert kinds == {"ddp_8gpu.yaml": "MULTI_GPU", "fsdp_8gpu.yaml": "FSDP", "deepspeed_zero3_8gpu.yaml": "DEEPSPEED",
-                     "deepspeed_zero2_8gpu.yaml": "DEEPSPEED",
-                     "eval_8gpu.yaml": "MULTI_GPU"}
+                     "deepspeed_zero2_8gpu.yaml": "DEEPSPEED", "fsdp2_8gpu.yaml": "FSDP",
+                     "eval_8gpu.yaml": "MULTI_GPU", "fsdp2_cpu2.yaml": "FSDP", "deepspeed_zero2_cpu2.yaml": "DEEPSPEED",
+                     "deepspeed_zero3_cpu2.yaml": "DEEPSPEED"}
+
+
+def test_evaluation_joins_the_process_group_with_lm_evals_long_timeout(monkeypatch):
+    """Several eval processes wait on each other at the harness's barriers while the slowest finishes a long
+    generative task: the group is joined with lm-eval's own HF model's timeout (52 weeks), not torch's default."""
+    from datetime import timedelta
+
+    from accelerate.state import PartialState
+
+    from refusion.eval.lm_eval_adapter import PROCESS_GROUP_TIMEOUT, distributed_world
+
+    class Joined(Exception):
+        pass
+
+    seen = []
+
+    def init_process_group(*args, **kwargs):
+        seen.append(kwargs)
+        raise Joined  # stop here: nothing to join in this test
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+                       "OMP_NUM_THREADS": str(torch.get_num_threads())}.items():  # else accelerate sets 1 thread
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    PartialState._reset_state()
+    try:
+        with pytest.raises(Joined):
+            distributed_world(cpu=True)
+    finally:
+        PartialState._reset_state()
+    assert PROCESS_GROUP_TIMEOUT == timedelta(weeks=52)
+    assert seen and seen[0]["timeout"] == timedelta(weeks=52) and seen[0]["backend"] == "gloo"

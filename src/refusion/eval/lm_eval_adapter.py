@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +71,21 @@ log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
 
 
+#: how long a rank waits at a collective: as lm-eval's own HF model (``InitProcessGroupKwargs(timeout=
+#: timedelta(weeks=52))``), since ranks wait on each other at the harness's barriers while the slowest
+#: finishes its share of a long generative task (torch's default, 10 minutes for NCCL, kills such runs)
+PROCESS_GROUP_TIMEOUT = timedelta(weeks=52)
+
+
 def distributed_world(cpu: bool) -> tuple[int, int, Any]:
-    """``(rank, world_size, state)``: joins the process group through accelerate when launched with
-    several processes (``WORLD_SIZE`` > 1: ``accelerate launch`` / ``torchrun``); ``state`` is accelerate's
-    ``PartialState`` (gloo when ``cpu``, else NCCL) or None."""
+    """``(rank, world_size, state)``: joins the process group through accelerate, with the
+    :data:`PROCESS_GROUP_TIMEOUT` timeout, when launched with several processes (``WORLD_SIZE`` > 1:
+    ``accelerate launch`` / ``torchrun``); ``state`` is accelerate's ``PartialState`` (gloo when ``cpu``,
+    else NCCL) or None."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState
 
-        state = PartialState(cpu=cpu)
+        state = PartialState(cpu=cpu, timeout=PROCESS_GROUP_TIMEOUT)
         if state.num_processes > 1:
             return state.process_index, state.num_processes, state
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
