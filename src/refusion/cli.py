@@ -16,7 +16,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     from refusion.models.loading import add_runtime_args
 
     add_runtime_args(p)
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off by default)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model folder's own modeling code (LLaDA, Dream: instead of the native path; off by default)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

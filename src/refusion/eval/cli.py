@@ -46,7 +46,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     from refusion.models.loading import add_runtime_args
 
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (LLaDA, Dream)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model folder's own modeling code (LLaDA, Dream: instead of the native path; off by default)")
     p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--include-path", action="append", default=[], help="folder of extra task YAMLs (repeatable)")
