@@ -114,9 +114,9 @@ def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str
 
     for row in rows:
         ref = groups.get((baseline, row["task"]))
-        if row["run"] == baseline or not ref:
-            continue
-        mine = {r["idx"]: r for r in groups[row["run"], row["task"]]}
+        if row["run"] == baseline or not ref or any("idx" not in r for r in ref):
+            continue  # records without sample ids cannot be paired
+        mine = {r["idx"]: r for r in groups[row["run"], row["task"]] if "idx" in r}
         pairs = [(b, mine[b_idx]) for b_idx, b in ((r["idx"], r) for r in ref) if b_idx in mine]
         if not pairs:
             continue
