@@ -4,11 +4,10 @@ batch, a finished sequence leaves the batch, and each result counts the forwards
 
 import pytest
 import torch
-from helpers import StrayReads, ban_token, force_token, make_tiny_qwen3
+from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refusion.core import host
 from refusion.core.config import build_decoder
 from refusion.models.backend import Backbone
 
@@ -91,26 +90,15 @@ READ_VARIANTS = {
 def test_one_host_read_per_step_of_the_batch_and_nowhere_else(blockc, variant):
     hooks = [ban_token(blockc.model, blockc.eos_id)] + [force_token(blockc.model, p, 25) for p in (8, 9, 12, 13, 14)]
     prompts = [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37], [15]]
-    dec = decoder(blockc, **READ_VARIANTS[variant])
-    watched, tolist_calls = torch.Tensor.tolist, [0]
-
-    def counted(t, *args, **kwargs):
-        tolist_calls[0] += 1
-        return watched(t, *args, **kwargs)
-
-    torch.Tensor.tolist = counted
-    host.reset()
+    config = {"decoder": "block", "gen_length": 16, **READ_VARIANTS[variant]}
     try:
-        with StrayReads(blockc.model) as stray:
-            batch = dec.generate_batch(prompts)
+        batch, reads, tolist_calls, stray = decode_reading_host(blockc, config, prompts)
     finally:
-        torch.Tensor.tolist = watched
         for h in hooks:
             h.remove()
-    reads = host.reset()
-    assert stray.where == []  # no .item() / .tolist() / int() / bool() / .nonzero() / mask indexing outside to_host
+    assert stray == []  # no .item() / .tolist() / int() / bool() / .nonzero() / mask indexing outside to_host
     steps = max(len(r.trace) for r in batch)
-    assert reads == steps + 1 == tolist_calls[0]  # one per step + the finiteness check
+    assert reads == steps + 1 == tolist_calls  # one per step + the finiteness check
     assert batch[0].stats.batch_nfe == steps  # one forward per step
     if variant == "threshold, rows diverge":
         assert len({len(r.trace) for r in batch}) > 1  # the rows did drift apart

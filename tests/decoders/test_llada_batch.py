@@ -4,11 +4,10 @@ leaves the batch, and each result counts the forwards it took part in."""
 
 import pytest
 import torch
-from helpers import StrayReads, ban_token, force_token, make_tiny_qwen3
+from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refusion.core import host
 from refusion.core.config import build_decoder
 from refusion.models.backend import Backbone
 
@@ -101,27 +100,16 @@ def test_one_host_read_per_step_of_the_batch_and_nowhere_else(bidi, variant):
     bidi.logits_shifted = cfg.pop("shifted", False)
     hooks = [ban_token(bidi.model, bidi.eos_id)] + [force_token(bidi.model, p, 25) for p in (8, 9, 12, 13, 14)]
     prompts = [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37], [15]]
-    dec = decoder(bidi, **cfg)
-    watched, tolist_calls = torch.Tensor.tolist, [0]
-
-    def counted(t, *args, **kwargs):
-        tolist_calls[0] += 1
-        return watched(t, *args, **kwargs)
-
-    torch.Tensor.tolist = counted
-    host.reset()
     try:
-        with StrayReads(bidi.model) as stray:
-            batch = dec.generate_batch(prompts)
+        batch, reads, tolist_calls, stray = decode_reading_host(
+            bidi, {"decoder": "llada", "gen_length": 16, "block_length": 8, **cfg}, prompts)
     finally:
-        torch.Tensor.tolist = watched
         bidi.logits_shifted = False
         for h in hooks:
             h.remove()
-    reads = host.reset()
-    assert stray.where == []  # no .item() / .tolist() / int() / bool() / .nonzero() / mask indexing outside to_host
+    assert stray == []  # no .item() / .tolist() / int() / bool() / .nonzero() / mask indexing outside to_host
     steps = max(len(r.trace) for r in batch)  # every sequence still decoding takes one step per step of the batch
-    assert reads == steps + 1 == tolist_calls[0]  # one per step + the finiteness check
+    assert reads == steps + 1 == tolist_calls  # one per step + the finiteness check
     if variant == "dual threshold, rows diverge":
         assert len({len(r.trace) for r in batch}) > 1  # the rows did drift apart
         assert batch[0].stats.batch_nfe > steps  # full (refresh) and cached rows in one step: two forwards
