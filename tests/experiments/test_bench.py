@@ -146,6 +146,11 @@ def test_rows_carry_paired_intervals_against_the_baseline():
     assert d["value"] == pytest.approx(-0.05) and (d["only_baseline"], d["only_this"], d["n"]) == (1, 0, 20)
     assert d["low"] <= -0.05 <= d["high"] and d["p_value"] == 1.0
     assert fast["speedup_interval"] == pytest.approx([2.0, 2.0])
+    from refusion.experiments.runner import markdown_table
+
+    table = markdown_table([ar, fast])
+    assert "acc vs baseline, points [95%] | speed-up [95%] |" in table.splitlines()[0]
+    assert "| -5.0 [" in table and "[2.00, 2.00] |" in table
 
 
 def test_batched_bench_decodes_chunks_and_reports_aggregate_throughput(tmp_path, bench_config, monkeypatch):

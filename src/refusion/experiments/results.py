@@ -11,13 +11,14 @@ Verdicts are rules over the measured rows, never typed by hand, so a rerun rewri
 * ``does not hold``: it is false on every task;
 * ``mixed``: true on some tasks only (each task's outcome is listed);
 * ``cannot be tested here``: a run the claim needs is missing (for example no model for the decoder),
-  or every task is at chance (below).
+  or every task is at chance or at the ceiling (below).
 
 "Same accuracy" always means within noise: two binomial standard errors of the pooled accuracy of the
 two runs compared on that task, and at least 2 points. A claim about accuracy is not tested on a task
 where every run of the ablation is at chance level (each run's accuracy at most the task's
 ``chance_accuracy`` plus two binomial standard errors of it, and at least 5 points): "0% and 0% agree"
-says nothing about the decoder. Such tasks are listed as not testable and left out of the verdict.
+says nothing about the decoder; nor does "100% and 100% agree" on a task where every run got every
+sample right (the ceiling). Such tasks are listed as not testable and left out of the verdict.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def at_chance(task: str, runs: dict[str, dict[str, Any]]) -> bool:
     """Whether every run on ``task`` is within noise of guessing (see the module docstring)."""
     c = chance(task)
     return all(r["accuracy"] <= c + max(0.05, 2 * math.sqrt(c * (1 - c) / r["n"])) for r in runs.values())
+
+
+def at_ceiling(runs: dict[str, dict[str, Any]]) -> bool:
+    """Whether every run on a task got every sample right: a comparison of accuracies that cannot fail."""
+    return all(r["accuracy"] >= 1.0 for r in runs.values())
 
 
 class NotTestable(Exception):
@@ -240,6 +246,10 @@ def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
             continue
         except (KeyError, LookupError, ValueError, ZeroDivisionError) as e:
             return "cannot be tested here", [f"{task}: missing {e}"]
+        if claim.about_accuracy and at_ceiling(runs):
+            lines.append(f"{task}: not testable, every run at the ceiling (100%: no run could have been less "
+                         f"accurate than another; {why})")
+            continue
         if claim.about_accuracy and at_chance(task, runs):
             best = max(r["accuracy"] for r in runs.values())
             lines.append(f"{task}: not testable, every run at chance (best {_pct(best)}, chance "
@@ -289,8 +299,12 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
              "accuracy of the two runs compared (at least 2 points). Speeds are tokens/s measured side by side "
              "in one run (samples interleaved), TPF = generated tokens / forward calls.",
              "- A claim about accuracy is not tested on a task where every run is at chance (arith and code: "
-             "at most 5%; facts: within two standard errors of 25%): such tasks are listed as not testable and "
-             "the verdict is over the others.", "",
+             "at most 5%; facts: within two standard errors of 25%) or every run is at the ceiling (100%): "
+             "there the data could not have said otherwise, so such tasks are listed as not testable and "
+             "the verdict is over the others.",
+             "- Where an ablation has a baseline run, each row also gives its accuracy difference from the "
+             "baseline on the same samples and its speed-up, each with a 95% paired-bootstrap interval "
+             "(`refusion.experiments.stats`).", "",
              "| analysis | paper | verdict | run time |", "|---|---|---|---|"]
     sections, summary = [], []
     for name in names:
@@ -300,7 +314,9 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
         word, why = verdict(claim, rows) if claim else ("(no claim)", [])
         untested = [line.split(":")[0] for line in why if "not testable" in line]
         tested = [line.split(":")[0] for line in why if "not testable" not in line]
-        reason = "at chance" if all("at chance" in line for line in why if "not testable" in line) else "not testable"
+        untestable = [line for line in why if "not testable" in line]
+        reason = ("at chance" if all("at chance" in line for line in untestable) else
+                  "at the ceiling" if all("ceiling" in line for line in untestable) else "not testable")
         scope = f" (tested on {', '.join(tested)}; {reason} on {', '.join(untested)})" if tested and untested else ""
         summary.append(f"| [{cfg.title or name}](#{name}) | {claim.paper.split(':')[0] if claim else ''} | "
                        f"**{word}**{scope} | {timings.get(name, 0) / 60:.1f} min |")

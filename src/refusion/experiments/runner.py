@@ -289,9 +289,15 @@ def _with_batch(rows: list[dict[str, Any]], extra: list[str]) -> list[str]:
 
 
 def markdown_table(rows: list[dict[str, Any]], extra: list[str] = ()) -> str:
+    """The rows as a markdown table; with paired intervals against a baseline
+    (:func:`add_paired_intervals`), two more columns: the accuracy difference in points and the speed-up,
+    each with its 95% interval."""
     extra = _with_batch(rows, list(extra))
     cols = ["task", "run", *extra, "n", "accuracy", "tokens_per_second", "tpf", "nfe_mean", "latency_s_mean", "speedup"]
     heads = ["task", "run", *extra, "n", "acc %", "tok/s", "TPF", "NFE", "latency s", "speed-up"]
+    paired = any(r.get("accuracy_diff") for r in rows)
+    if paired:
+        heads += ["acc vs baseline, points [95%]", "speed-up [95%]"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in sorted(rows, key=lambda r: r["task"]):
         cells = []
@@ -299,6 +305,10 @@ def markdown_table(rows: list[dict[str, Any]], extra: list[str] = ()) -> str:
             v = r.get(c, 1 if c == "batch_size" else None)
             cells.append("-" if v is None else f"{100 * v:.1f}" if c == "accuracy" else
                          f"{v:.2f}" if isinstance(v, float) else str(v))
+        if paired:
+            d, ci = r.get("accuracy_diff"), r.get("speedup_interval")
+            cells.append(f"{100 * d['value']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" if d else "-")
+            cells.append(f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
