@@ -1,0 +1,1 @@
+"""An example refusion plugin package (see docs/plugins.md)."""

@@ -1,0 +1,22 @@
+"""The example's own tests: its parts are functions of tensors, testable without a model."""
+
+import torch
+
+from refusion.core.types import Proposal
+from refusion_plugin_example.parts import MinProb, RunningProduct
+
+
+def test_min_prob_ignores_padding():
+    probs = torch.tensor([[0.9, 0.5, 0.8], [0.7, 0.2, 0.0]])
+    valid = torch.tensor([[True, True, True], [True, False, False]])
+    proposal = Proposal(token_ids=torch.zeros(2, 3, dtype=torch.long), probs=probs, logits=torch.zeros(2, 3, 4),
+                        valid=valid)
+    assert MinProb().score(proposal).tolist() == [0.5, 0.699999988079071]
+
+
+def test_running_product_accepts_while_the_product_holds():
+    verifier = RunningProduct(RunningProduct.Options(min_product=0.5))
+    ar = torch.tensor([[1.0, 0.9, 0.8, 0.5], [1.0, 0.9, 0.9, 0.9]])  # products 0.72, 0.36 | 0.81, 0.73, 0.66
+    verdict = verifier.verify(torch.ones(2, 4), ar)
+    assert verdict.passed.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert int(verdict.prefix_len) == 3 and int(verdict.accepted_slots) == 0

@@ -1,0 +1,56 @@
+"""examples/refusion-plugin-example, installed as a user would: its entry point registers a scorer and a
+verifier that `refusion plugins` lists and a decode uses; the example's own tests pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "refusion-plugin-example"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, str]:
+    """The example installed into a folder of its own; the environment that sees it, with autoload on."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(EXAMPLE)], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "REFUSION_DISABLE_PLUGIN_AUTOLOAD"}
+    env["PYTHONPATH"] = os.pathsep.join([str(target), env.get("PYTHONPATH", "")])
+    return env
+
+
+def refusion(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "refusion.cli", *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_refusion_plugins_lists_the_example_parts(installed):
+    parts = {(e["kind"], e["name"]): e for e in json.loads(refusion(installed, "plugins", "--json"))}
+    assert parts["scorer", "min_prob"]["class"] == "refusion_plugin_example.parts.MinProb"
+    assert parts["verifier", "running_product"]["class"] == "refusion_plugin_example.parts.RunningProduct"
+    assert "refusion-plugin-example" in parts["scorer", "min_prob"]["origin"]
+
+
+def test_a_decode_uses_them_and_checks_their_options(installed):
+    out = json.loads(refusion(installed, "generate", "--model", "tiny-refusion", "--decoder", "refusion",
+                              "--set", "scorer=min_prob", "--set", "verifier=running_product",
+                              "--set", "verifier.min_product=0.3", "--set", "gen_length=16",
+                              "--prompt", "What is 2 + 3?", "--json"))
+    assert out["token_ids"] and out["stats"]["nfe"] >= 1
+    bad = subprocess.run([sys.executable, "-m", "refusion.cli", "generate", "--model", "tiny-refusion", "--decoder", "refusion",
+                          "--set", "verifier=running_product", "--set", "verifier.min_product=2",
+                          "--prompt", "x"], env=installed, capture_output=True, text=True)
+    assert bad.returncode == 2 and "min_product" in bad.stderr
+
+
+def test_the_examples_own_tests_pass(installed):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
+                          env=installed, capture_output=True, text=True, cwd=EXAMPLE)
+    assert done.returncode == 0, done.stdout + done.stderr
