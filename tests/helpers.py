@@ -167,3 +167,16 @@ def task_prompt(tokenizer, task: str, idx: int = 0, split: str = "test") -> list
     from refusion.tasks import get_task
 
     return encode_prompt(tokenizer, get_task(task).examples(split, idx + 1)[idx].query)
+
+
+def assert_batch_decodes_as_alone(batch, alone, atol: float = 1e-5) -> None:
+    """Each result of a batch equals its decode alone: token ids, every iteration's chosen positions and
+    block, the positions scored and (within ``atol``) their scores."""
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert [[t.chosen for t in r.trace] for r in batch] == [[t.chosen for t in r.trace] for r in alone]
+    assert [[t.block for t in r.trace] for r in batch] == [[t.block for t in r.trace] for r in alone]
+    for b, a in zip(batch, alone):
+        for tb, ta in zip(b.trace, a.trace):
+            assert [p for p, _ in tb.scored] == [p for p, _ in ta.scored]
+            assert torch.allclose(torch.tensor([s for _, s in tb.scored]), torch.tensor([s for _, s in ta.scored]),
+                                  atol=atol)

@@ -4,7 +4,7 @@ batch, a finished sequence leaves the batch, and each result counts the forwards
 
 import pytest
 import torch
-from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3
+from helpers import assert_batch_decodes_as_alone, ban_token, decode_reading_host, force_token, make_tiny_qwen3
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -61,14 +61,7 @@ def test_each_sequence_of_a_batch_decodes_as_alone(blockc, lengths, setting, for
     finally:
         for h in hooks:
             h.remove()
-    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
-    assert [[t.chosen for t in r.trace] for r in batch] == [[t.chosen for t in r.trace] for r in alone]
-    assert [[t.block for t in r.trace] for r in batch] == [[t.block for t in r.trace] for r in alone]
-    for b, a in zip(batch, alone):
-        for tb, ta in zip(b.trace, a.trace):
-            assert [p for p, _ in tb.scored] == [p for p, _ in ta.scored]
-            assert torch.allclose(torch.tensor([s for _, s in tb.scored]), torch.tensor([s for _, s in ta.scored]),
-                                  atol=1e-5)
+    assert_batch_decodes_as_alone(batch, alone)
     # stats: one forward per step of a sequence, ONE forward per step of the batch
     assert [r.stats.nfe for r in batch] == [r.stats.nfe for r in alone] == [len(r.trace) for r in alone]
     assert batch[0].stats.batch_nfe == len(calls) == blockc.nfe - nfe0 == max(r.stats.nfe for r in batch)
