@@ -95,3 +95,27 @@ def test_entry_point_autoload_and_env_switch(fake_distribution, monkeypatch):
     assert entry.origin == "entry point fake (fake-refusion-scorer 0.1)"
     monkeypatch.setenv("REFUSION_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert "entry_point_scorer" not in build_registry(make_plugin_manager()).names("scorer")
+
+
+def test_a_class_registered_under_the_wrong_kind_is_refused_naming_the_interface():
+    from refusion.core.registry import Registry
+
+    reg = Registry()
+    with pytest.raises(PluginError, match=r"registered .* as verifier 'oops', but a verifier must be a subclass of "
+                                          r"refusion\.core\.interfaces\.Verifier"):
+        reg.add("verifier", "oops", FirstTokenProb, "entry point x")
+    with pytest.raises(PluginError, match="must be a subclass"):
+        reg.add("scorer", "fn", lambda proposal: proposal, "entry point x")
+    reg.add("scorer", "first", FirstTokenProb, "builtin")
+    assert reg.get("scorer", "first") is FirstTokenProb
+
+
+def test_a_part_that_leaves_an_abstract_method_unimplemented_cannot_be_built():
+    from refusion.core.interfaces import Verifier
+
+    class HalfVerifier(Verifier):
+        def verify(self, draft_probs, ar_probs, valid=None):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="extend"):
+        HalfVerifier()

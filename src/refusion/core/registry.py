@@ -50,6 +50,24 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
 
 AUTOLOAD_ENV = "REFUSION_DISABLE_PLUGIN_AUTOLOAD"
 
+#: kind -> the interface every class registered under it subclasses ("module:Class", imported on use)
+INTERFACES: dict[str, str] = {
+    "decoder": "refusion.core.interfaces:Decoder",
+    "scorer": "refusion.core.interfaces:Scorer",
+    "drafter": "refusion.core.interfaces:Drafter",
+    "selector": "refusion.core.interfaces:Selector",
+    "verifier": "refusion.core.interfaces:Verifier",
+    "cache": "refusion.core.interfaces:CacheManager",
+    "remasker": "refusion.core.interfaces:Remasker",
+    "objective": "refusion.training.objective:Objective",
+}
+
+
+def interface(kind: str) -> type:
+    """The base class of ``kind`` (:data:`INTERFACES`)."""
+    module, _, name = INTERFACES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
 
 class PluginError(ValueError):
     """A plugin could not be registered or a registered name could not be found."""
@@ -74,6 +92,10 @@ class Registry:
             raise PluginError(f"unknown part kind {kind!r}; allowed: {', '.join(KINDS)}")
         if not isinstance(name, str) or not name:
             raise PluginError(f"{origin} registered a {kind} with an invalid name {name!r}")
+        base = interface(kind)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise PluginError(f"{origin} registered {cls!r} as {kind} {name!r}, but a {kind} must be a subclass "
+                              f"of {base.__module__}.{base.__qualname__}")
         if (kind, name) in self._entries:
             first = self._entries[(kind, name)].origin
             raise PluginError(f"duplicate {kind} name {name!r}: registered by {first} and by {origin}")
