@@ -36,8 +36,9 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Part:
-    """A configurable component; ``kind`` is its registry kind."""
+class Part(ABC):
+    """A configurable component; ``kind`` is its registry kind. Abstract methods are enforced: a part that
+    leaves one unimplemented cannot be instantiated."""
 
     kind: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = Options
@@ -76,6 +77,31 @@ class Selector(Part):
     def select(self, scores: Tensor) -> Tensor:
         """``scores [S]`` of the pool's slots (in position order) -> ``[S]`` bool, True at the chosen slots,
         at least one True; on the scores' device, without reading values on the host."""
+
+
+class TokenSelector(Selector):
+    """A selector over per-token scores (token-level diffusion decoders) that may use the step's budget and
+    may choose nothing. Subclasses implement :meth:`_choose`; :meth:`select` restricts it to the eligible
+    positions and adds the best one when something must be chosen."""
+
+    def select(self, scores: Tensor, budget: int | None = None, at_least_one: bool = True,
+               eligible: Tensor | None = None) -> Tensor:
+        """``scores [n]`` -> ``[n]`` bool, True at the chosen positions; only ``eligible [n]`` ones (None: all)
+        are chosen, and at least one when ``at_least_one`` and any is eligible. On the scores' device,
+        without reading values on the host; ties go to the leftmost position."""
+        if eligible is None:
+            eligible = torch.ones_like(scores, dtype=torch.bool)
+        ranked = torch.where(eligible, scores, -torch.inf)  # ineligible positions rank last and pass no rule
+        chosen = self._choose(ranked, budget) & eligible
+        if at_least_one and scores.numel():
+            best = torch.arange(scores.numel(), device=scores.device) == ranked.argmax()  # first maximum
+            chosen = torch.where(chosen.any(), chosen, best & eligible)
+        return chosen
+
+    @abstractmethod
+    def _choose(self, scores: Tensor, budget: int | None) -> Tensor:
+        """``scores [n]`` (ineligible positions at -inf) and the step's ``budget`` -> ``[n]`` bool: the rule's
+        choice before eligibility and the at-least-one fallback."""
 
 
 class Verifier(Part):

@@ -64,12 +64,11 @@ from torch import Tensor
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host, to_host
-from refusion.core.interfaces import Decoder, DecoderOptions
+from refusion.core.interfaces import Decoder, DecoderOptions, TokenSelector
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import BatchRows, cut_after_eos, fed_window, left_pad
 from refusion.decoders.llada import choose, decided
 from refusion.models.ragged import additive_mask, offset_cache
-from refusion.plugins.token_selectors import TokenSelector
 
 
 class BlockOptions(DecoderOptions):

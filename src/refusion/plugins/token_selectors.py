@@ -2,7 +2,7 @@
 
 The pool is the still-masked positions a decoder may commit now (e.g. the current LLaDA block), its
 ``scores [n]`` one confidence per position (a scorer over k = 1 slots, or random numbers), in
-position order. A :class:`TokenSelector` also receives
+position order. A :class:`~refusion.core.interfaces.TokenSelector` also receives
 
 * ``budget``: the decoder's scheduled count for this step (LLaDA's ``get_num_transfer_tokens``), or
   None when the decoder has no schedule;
@@ -26,28 +26,7 @@ from pydantic import Field
 from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
-from refusion.core.interfaces import Options, Selector
-
-
-class TokenSelector(Selector):
-    """A selector over per-token scores that may use the step's budget and may choose nothing."""
-
-    def select(self, scores: Tensor, budget: int | None = None, at_least_one: bool = True,
-               eligible: Tensor | None = None) -> Tensor:
-        """``scores [n]`` -> ``[n]`` bool, True at the chosen positions; only ``eligible [n]`` ones (None: all)
-        are chosen, and at least one when ``at_least_one`` and any is eligible. On the scores' device,
-        without reading values on the host; ties go to the leftmost position."""
-        if eligible is None:
-            eligible = torch.ones_like(scores, dtype=torch.bool)
-        ranked = torch.where(eligible, scores, -torch.inf)  # ineligible positions rank last and pass no rule
-        chosen = self._choose(ranked, budget) & eligible
-        if at_least_one and scores.numel():
-            best = torch.arange(scores.numel(), device=scores.device) == ranked.argmax()  # first maximum
-            chosen = torch.where(chosen.any(), chosen, best & eligible)
-        return chosen
-
-    def _choose(self, scores: Tensor, budget: int | None) -> Tensor:
-        raise NotImplementedError
+from refusion.core.interfaces import Options, TokenSelector
 
 
 def top_n(scores: Tensor, n: int) -> Tensor:
