@@ -1,7 +1,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from refusion.models.tokenizer import SPECIAL_TOKENS, build_tinybench_tokenizer, train_tokenizer
+from refusion.models.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from refusion.tasks.tokenizer import build_tinybench_tokenizer
 from refusion.tasks import TASKS
 from refusion.tasks.facts import OPTION_MARKERS
 

@@ -20,7 +20,7 @@ from refusion.plugins.objectives import (
     refusion_layout,
     register_objectives,
 )
-from refusion.training.objective import IGNORE, Objective
+from refusion.core.objective import IGNORE, Objective
 
 torch.set_num_threads(2)
 SPECIAL = ["<|endoftext|>", "<|pad|>", "<|beginoftext|>", "<|mask|>"]

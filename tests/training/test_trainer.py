@@ -194,7 +194,7 @@ def test_training_device_errors_name_the_setting(monkeypatch):
 
 def test_trainer_moves_model_and_batches_to_its_device(char_tokenizer, pairs, tmp_path, monkeypatch):
     """The model and every batch go to ``config.device`` (recorded here, as CI has no GPU)."""
-    from refusion.training.objective import Batch
+    from refusion.core.objective import Batch
 
     moved = []
     to = Batch.to

@@ -60,4 +60,4 @@ def register_remaskers(register: Register) -> None:
 
 @hookspec
 def register_objectives(register: Register) -> None:
-    """Register training objectives (subclasses of :class:`refusion.training.objective.Objective`)."""
+    """Register training objectives (subclasses of :class:`refusion.core.objective.Objective`)."""

@@ -59,7 +59,7 @@ INTERFACES: dict[str, str] = {
     "verifier": "refusion.core.interfaces:Verifier",
     "cache": "refusion.core.interfaces:CacheManager",
     "remasker": "refusion.core.interfaces:Remasker",
-    "objective": "refusion.training.objective:Objective",
+    "objective": "refusion.core.objective:Objective",
 }
 
 

@@ -68,6 +68,13 @@ def set_attention(config: Any, attention: str, block_size: int | None = None) ->
     config.refusion_attention = attention
 
 
+def record_objective(config: Any, objective: Any) -> None:
+    """Record in a model config which attention (and block size) a training ``objective`` trains, and
+    the objective's name (``refusion_objective``)."""
+    set_attention(config, objective.attention, getattr(objective.options, "block_size", None))
+    config.refusion_objective = objective.name
+
+
 def make_config(
     tokenizer: PreTrainedTokenizerBase,
     size: str = "tiny",

@@ -1,7 +1,7 @@
 """Built-in training objectives: ``ar``, ``refusion``, ``mdm``, ``block`` (registered through the hook).
 
 Every objective puts targets so that ``labels[j]`` is predicted by the logits at position ``j``
-(see :mod:`refusion.training.objective`). Layouts, per example (``P`` prompt tokens, ``R`` response
+(see :mod:`refusion.core.objective`). Layouts, per example (``P`` prompt tokens, ``R`` response
 tokens including the final EOS):
 
 ``ar`` (causal)
@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
-from refusion.training.objective import IGNORE, Batch, Objective, Pair
+from refusion.core.objective import IGNORE, Batch, Objective, Pair
 
 NEG = torch.finfo(torch.float32).min
 

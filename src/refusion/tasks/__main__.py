@@ -3,7 +3,7 @@ responses in the shipped tinybench tokenizer (``build_tinybench_tokenizer()``), 
 
 from __future__ import annotations
 
-from refusion.models.tokenizer import build_tinybench_tokenizer
+from refusion.tasks.tokenizer import build_tinybench_tokenizer
 from refusion.tasks import SPLITS, TASKS
 
 

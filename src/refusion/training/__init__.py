@@ -1,6 +1,6 @@
 """Training: objectives (``ar``, ``refusion``, ``mdm``, ``block``), data, the trainer, the recipe, the CLI.
 
-- :class:`~refusion.training.objective.Objective` / :class:`~refusion.training.objective.Batch`: the
+- :class:`~refusion.core.objective.Objective` / :class:`~refusion.core.objective.Batch`: the
   objective interface; built-ins live in :mod:`refusion.plugins.objectives` (registered via the hook);
 - :mod:`refusion.training.data`: ``load_pairs(data, tokenizer, split)`` -> ``[(prompt_ids, response_ids)]``;
 - :class:`~refusion.training.trainer.Trainer` / :class:`~refusion.training.trainer.TrainConfig`;
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refusion.training.objective import IGNORE, Batch, Objective, Pair
+from refusion.core.objective import IGNORE, Batch, Objective, Pair
 
 __all__ = ["IGNORE", "Batch", "Objective", "Pair", "get_objective"]
 

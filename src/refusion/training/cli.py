@@ -107,11 +107,11 @@ def _error(args: argparse.Namespace, msg: str) -> None:
 def scratch_tokenizer(data: str) -> Any:
     """The tinybench tokenizer, or one trained on a JSON file's queries and responses."""
     from refusion.models import tokenizer as tk
-
+    from refusion.tasks.tokenizer import build_tinybench_tokenizer
     from refusion.training.data import tinybench_mix, tokenizer_training_texts
 
     if tinybench_mix(data) is not None:
-        return tk.build_tinybench_tokenizer()
+        return build_tinybench_tokenizer()
 
     return tk.train_tokenizer(tokenizer_training_texts(data))
 

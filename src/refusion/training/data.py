@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from refusion.training.objective import Pair
+from refusion.core.objective import Pair
 
 TINYBENCH = "tinybench"
 PROMPT_SUFFIX = "\n"

@@ -63,8 +63,9 @@ from typing import Any, Sequence
 import torch
 
 from refusion.core.machine import machine
+from refusion.models.build import record_objective
 from refusion.models.loading import save_tokenizer
-from refusion.training.objective import Batch, Objective, Pair
+from refusion.core.objective import Batch, Objective, Pair
 from refusion.training.data import pair_length_fn
 from refusion.training.trainer import (
     LOG_FILE, TrainConfig, _Sampler, build_optimizer, init_run, lr_lambda, validation_batch,
@@ -329,7 +330,7 @@ class DistributedTrainer:
         state = acc.get_state_dict(self.model)  # FSDP / DeepSpeed: gathered on the main process
         if acc.is_main_process:
             model = acc.unwrap_model(self.model)
-            self.objective.configure_model(model.config)
+            record_objective(model.config, self.objective)
             state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
             model.save_pretrained(self.final_dir, state_dict=state, safe_serialization=True)
             save_tokenizer(self.tokenizer, self.final_dir)

@@ -3,7 +3,7 @@
 Stages (each writes its result and is skipped when the recipe is run again; an interrupted training
 stage resumes from its ``trainer_state.pt``):
 
-1. ``tokenizer``: the tinybench BPE (:func:`refusion.models.tokenizer.build_tinybench_tokenizer`),
+1. ``tokenizer``: the tinybench BPE (:func:`refusion.tasks.tokenizer.build_tinybench_tokenizer`),
    saved to ``OUT/tokenizer``;
 2. ``pretrain``: a fresh ``tiny`` Qwen3 (3.4M parameters with the 1024-token vocabulary) trained from
    scratch with ``ar`` on tinybench train for P steps -> ``OUT/tiny-base``;
@@ -212,7 +212,7 @@ def run_recipe(
 
     from refusion.models.build import build_model
     from refusion.models.loading import load_pretrained
-    from refusion.models.tokenizer import build_tinybench_tokenizer
+    from refusion.tasks.tokenizer import build_tinybench_tokenizer
     from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
     from refusion.training.data import load_pairs
     from refusion.training.trainer import TrainConfig, Trainer, training_device

@@ -36,8 +36,9 @@ from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
 from refusion.core.machine import machine
+from refusion.models.build import record_objective
 from refusion.models.loading import save_pretrained
-from refusion.training.objective import Batch, Objective, Pair
+from refusion.core.objective import Batch, Objective, Pair
 
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "trainer_weights.safetensors"
@@ -227,7 +228,7 @@ def init_run(
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     model.float()
-    objective.configure_model(model.config)
+    record_objective(model.config, objective)
     trainer.data_gen = torch.Generator().manual_seed(config.seed)
     trainer.noise_gen = torch.Generator().manual_seed(config.seed + 1 + rank * NOISE_SEED_STRIDE)
 
@@ -420,7 +421,7 @@ class Trainer:
             if self.val_pairs:
                 last_eval = self.evaluate()
                 self._log({"kind": "eval", "step": self.step, **last_eval})
-            self.objective.configure_model(self.model.config)
+            record_objective(self.model.config, self.objective)
             save_pretrained(self.model, self.tokenizer, self.final_dir)
         return {
             "objective": self.objective.name,

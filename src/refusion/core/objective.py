@@ -106,13 +106,6 @@ class Objective(ABC):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(mask_id=mask_id, pad_id=pad_id, eos_id=tokenizer.eos_token_id, options=options, **kw)
 
-    def configure_model(self, config: Any) -> None:
-        """Record in a model config which attention (and block size) this objective trains."""
-        from refusion.models.build import set_attention
-
-        set_attention(config, self.attention, getattr(self.options, "block_size", None))
-        config.refusion_objective = self.name
-
     @abstractmethod
     def make_batch(self, pairs: list[Pair], generator: torch.Generator) -> Batch:
         """Build a padded batch from ``(prompt_ids, response_ids)`` pairs using only ``generator``."""
