@@ -20,6 +20,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from refusion.core import host
+from refusion.core.errors import MaskTokenError
 from refusion.models.loading import resolve_model_path
 from refusion.models.ragged import CacheView, ForwardRequest
 
@@ -28,10 +29,6 @@ ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 #: which fed positions' logits a forward computes: a slice, a 1-D index tensor, or None (no logits)
 LogitsAt = slice | Tensor | None
 ALL_ROWS = slice(None)
-
-
-class MaskTokenError(ValueError):
-    """The model/tokenizer has no mask token."""
 
 
 class NonFiniteLogitsError(RuntimeError):

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from refusion.core.errors import MaskTokenError
+
 if TYPE_CHECKING:
     from refusion.models.loading import Runtime
 
@@ -386,8 +388,6 @@ def backbone_kwargs(family: Family, model: Any, tokenizer: Any) -> dict[str, Any
     vocab = getattr(model.config, "vocab_size", None)
     mask_id = family.resolve_mask_id(model.config, tokenizer, vocab)
     if mask_id is None and family.mask_required:
-        from refusion.models.backend import MaskTokenError
-
         raise MaskTokenError(
             f"family {family.name!r} needs a [MASK] token, but neither config.mask_token_id nor the tokenizer "
             "has one; add one (tokenizer.add_special_tokens({'mask_token': '<|mask|>'}), resize the embeddings, "
