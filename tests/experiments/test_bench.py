@@ -259,3 +259,44 @@ def test_bad_batch_size_names_the_field(tmp_path, bench_config, capsys):
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump({**yaml.safe_load(bench_config.read_text()), "batch_size": 3}))
     assert load_bench_config(good).batch_size == 3
+
+
+def test_rows_not_named_after_their_decoder_run_it_with_their_own_settings_and_limit(tmp_path, bench_config,
+                                                                                       monkeypatch):
+    from refusion.experiments.bench import bench_runs, load_bench_config
+
+    monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 6)
+    cfg = yaml.safe_load(bench_config.read_text())
+    cfg["models"]["refusion-paper"] = cfg["models"]["refusion"]
+    cfg["rows"] = {"refusion-paper": {"decoder": "refusion", "limit": 2}}
+    cfg["decoders"]["refusion-paper"] = {"slot_size": 2}
+    bench_config.write_text(yaml.safe_dump(cfg))
+    loaded = load_bench_config(bench_config)
+    assert loaded.decoder_rows == ["ar", "refusion"]
+    (run,) = bench_runs(loaded, ["refusion-paper"], ["facts"])
+    assert (run.decoder, run.limit, run.configs["facts"]["slot_size"]) == ("refusion", 2, 2)
+    rows = run_bench(tasks=["facts"], decoders=["ar", "refusion-paper"], limit=3, out=tmp_path / "out",
+                     config=str(bench_config))
+    assert [(r["run"], r["decoder"], r["n"]) for r in rows] == [("ar", "ar", 3), ("refusion-paper", "refusion", 2)]
+    assert rows[1]["accuracy_diff"]["n"] == 2  # paired with ar on the samples both decoded
+
+
+def test_bench_rows_without_a_model_are_refused(tmp_path, bench_config):
+    from refusion.core.config import ConfigError
+    from refusion.experiments.bench import load_bench_config
+
+    cfg = yaml.safe_load(bench_config.read_text())
+    cfg["rows"] = {"refusion-paper": {"decoder": "refusion"}}
+    bench_config.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"rows: rows \['refusion-paper'\] have no model under models:"):
+        load_bench_config(bench_config)
+
+
+def test_speedup_of_a_limited_run_is_measured_on_its_own_samples():
+    recs = [{"run": "ar", "task": "t", "idx": i, "correct": True, "generated_tokens": 10, "nfe": 10, "wall_s": w}
+            for i, w in enumerate([1.0, 1.0, 4.0])]
+    recs += [{"run": "slow", "task": "t", "idx": i, "correct": True, "generated_tokens": 10, "nfe": 10, "wall_s": 2.0}
+             for i in range(2)]
+    runs = [Run("ar", "m", {"t": {"decoder": "ar"}}), Run("slow", "m", {"t": {"decoder": "llada"}}, limit=2)]
+    rows = {r["run"]: r for r in summarize(recs, runs, baseline="ar")}
+    assert rows["slow"]["speedup"] == pytest.approx(0.5)  # against ar's first two samples, not all three

@@ -185,7 +185,7 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
     options = cfg.runtime.override(runtime)
     if time_forwards is None:
         time_forwards = options.device_map is None and (options.device or "cpu") == "cpu"
-    runs = batching_runs(bench_runs(cfg, decoders or list(cfg.models), tasks, overrides), sizes)
+    runs = batching_runs(bench_runs(cfg, decoders or cfg.decoder_rows, tasks, overrides), sizes)
     records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=options, desc="batch-bench",
                        time_forwards=time_forwards)
     rows = batching_rows(records, runs)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from refusion.core.config import ConfigError, apply_overrides
 from refusion.experiments.runner import (
@@ -30,19 +30,46 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "bench.yaml"
 GOAL_SPEEDUP, GOAL_POINTS = 2.0, 2.0  # the paper's claim: >= 2x AR's tokens/s, accuracy within 2 points of AR's
 
 
+class BenchRow(BaseModel):
+    """A bench row not named after its decoder (e.g. ``refusion-paper``: the ``refusion`` decoder)."""
+    model_config = ConfigDict(extra="forbid")
+    decoder: str = Field(description="the registered decoder the row runs")
+    limit: int | None = Field(None, ge=1, description="at most this many samples per task (a slow row)")
+
+
 class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    models: dict[str, str] = Field(description="decoder name -> model folder or shipped checkpoint")
-    decoders: dict[str, dict[str, Any]] = Field(default_factory=dict, description="decoder -> shared settings")
-    tasks: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict, description="task -> decoder -> overrides")
+    models: dict[str, str] = Field(description="row (a decoder name or a label under rows:) -> model folder or "
+                                               "shipped checkpoint; the rows run in this order")
+    rows: dict[str, BenchRow] = Field(default_factory=dict, description="row label -> its decoder and sample limit, "
+                                                                      "for rows not named after their decoder")
+    decoders: dict[str, dict[str, Any]] = Field(default_factory=dict, description="row -> shared settings")
+    tasks: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict, description="task -> row -> overrides")
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
                                     description="device, dtype, attn_implementation, device_map (flags override)")
     batch_size: int = Field(1, ge=1, description="samples per Decoder.generate_batch call (--batch-size overrides)")
 
-    def decoder_config(self, task: str, decoder: str, gen_length: int, overrides: list[str] = ()) -> dict[str, Any]:
-        """The decoder's shared settings, then the task's overrides, then ``overrides`` (``key=value``)."""
-        cfg = {"decoder": decoder, "gen_length": gen_length, **self.decoders.get(decoder, {})}
-        for key, value in self.tasks.get(task, {}).get(decoder, {}).items():
+    @model_validator(mode="after")
+    def _rows_have_models(self) -> "BenchConfig":
+        for field, keys in (("rows", self.rows), ("decoders", self.decoders),
+                            *((f"tasks.{t}", rows) for t, rows in self.tasks.items())):
+            stray = [k for k in keys if k not in self.models]
+            if stray:
+                raise ValueError(f"{field}: rows {stray} have no model under models: (rows: {', '.join(self.models)})")
+        return self
+
+    @property
+    def decoder_rows(self) -> list[str]:
+        """The rows named after their decoder (one per decoder: what profile and batch-bench run by default)."""
+        return [row for row in self.models if row not in self.rows]
+
+    def decoder_of(self, row: str) -> str:
+        return self.rows[row].decoder if row in self.rows else row
+
+    def decoder_config(self, task: str, row: str, gen_length: int, overrides: list[str] = ()) -> dict[str, Any]:
+        """The row's shared settings, then the task's overrides for the row, then ``overrides`` (``key=value``)."""
+        cfg = {"decoder": self.decoder_of(row), "gen_length": gen_length, **self.decoders.get(row, {})}
+        for key, value in self.tasks.get(task, {}).get(row, {}).items():
             cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) and isinstance(value, dict) else value
         return apply_overrides(cfg, list(overrides))
 
@@ -78,7 +105,7 @@ def bench_runs(cfg: BenchConfig, decoders: list[str], tasks: list[str], override
         raise ConfigError(f"--decoders: no model configured for {unknown}; configured: {', '.join(cfg.models)}")
     return [Run(label=d, model=cfg.models[d],
                 configs={t: cfg.decoder_config(t, d, get_task(t).max_new_tokens, overrides) for t in tasks},
-                batch_size=batch_size)
+                batch_size=batch_size, limit=cfg.rows[d].limit if d in cfg.rows else None)
             for d in decoders]
 
 

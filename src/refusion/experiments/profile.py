@@ -128,7 +128,7 @@ def profile(tasks: list[str], decoders: list[str] | None = None, limit: int | No
         except ValueError as e:
             raise ConfigError(f"--tasks: {e}") from None
     cfg = load_bench_config(config)
-    runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides)
+    runs = bench_runs(cfg, decoders or cfg.decoder_rows, tasks, overrides)
     for run in runs:  # every config checked before anything loads
         for t in tasks:
             validate_config(run.configs[t])

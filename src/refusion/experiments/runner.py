@@ -45,6 +45,7 @@ class Run:
     configs: dict[str, dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)  # the swept values, for tables and plots
     batch_size: int = 1  # samples per generate_batch call (1: one generate call per sample)
+    limit: int | None = None  # at most this many samples per task (the first ones), under the run's limit
 
     @property
     def decoder(self) -> str:
@@ -69,8 +70,8 @@ def forward_share_s(record: dict[str, Any]) -> float | None:
 
 
 def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[dict[str, Any]]:
-    """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task.
-    Tokens/s is total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks'
+    """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task,
+    on the samples both decoded (a run with a ``limit`` is compared on its own samples only). Tokens/s is total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks'
     wall time, so the aggregate throughput), latency the mean per-sample ``wall_s``; a batched run's
     rows add ``batch_size``."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -97,9 +98,13 @@ def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | No
             if sizes != {1}:
                 row["batch_size"] = max(sizes)  # one size per (run, task): evaluate refuses to mix them
             rows.append(row)
-    base = {r["task"]: r["tokens_per_second"] for r in rows if r["run"] == baseline}
     for r in rows:
-        r["speedup"] = r["tokens_per_second"] / base[r["task"]] if base.get(r["task"]) else None
+        ref = groups.get((baseline, r["task"]), [])
+        ids = {x.get("idx") for x in groups[r["run"], r["task"]]}
+        ref = [x for x in ref if x.get("idx") in ids] if len(ids) < len(ref) else ref
+        ref_wall = sum(decode_share_s(x) for x in ref)
+        ref_tps = sum(x["generated_tokens"] for x in ref) / ref_wall if ref_wall else 0.0
+        r["speedup"] = r["tokens_per_second"] / ref_tps if ref_tps else None
     if baseline is not None:
         add_paired_intervals(rows, groups, baseline)
     return rows
@@ -210,7 +215,8 @@ def evaluate(
     todo: list[tuple[int, int, int, list[int]]] = []  # (task order, first index, run order, indices)
     for ti, t in enumerate(task_objs):
         for ri, run in enumerate(runs):
-            left = [i for i in range(len(examples[t.name])) if (run.label, t.name, i) not in done]
+            n = len(examples[t.name]) if run.limit is None else min(run.limit, len(examples[t.name]))
+            left = [i for i in range(n) if (run.label, t.name, i) not in done]
             for c in range(0, len(left), run.batch_size):
                 todo.append((ti, left[c], ri, left[c:c + run.batch_size]))
     todo.sort(key=lambda c: c[:3])
