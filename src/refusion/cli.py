@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     from refusion.experiments.bench import add_bench_command
     from refusion.experiments.profile import add_profile_command
     from refusion.experiments.results import add_results_command
+    from refusion.experiments.trace_view import add_trace_command
     from refusion.eval.cli import add_eval_command
     from refusion.eval.table import add_eval_table_command
     from refusion.training.cli import add_train_command
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_command(sub)
     add_ablate_command(sub)
     add_results_command(sub)
+    add_trace_command(sub)
     add_train_command(sub)
     add_eval_command(sub)
     add_eval_table_command(sub)
