@@ -344,8 +344,8 @@ def cmd_trace(a: argparse.Namespace) -> int:
     svg.write_text(build_svg(lanes, title, width=a.svg_width), encoding="utf-8")
     for lane in lanes:
         s = lane.stats
-        print(f"{lane.label} on {lane.model}: {s['iterations']} iterations, {s['nfe']} forwards, "
-              f"{s['generated_tokens']} tokens")
+        counts = [(s["iterations"], "iteration"), (s["nfe"], "forward"), (s["generated_tokens"], "token")]
+        print(f"{lane.label} on {lane.model}: " + ", ".join(f"{n} {w}{'' if n == 1 else 's'}" for n, w in counts))
     print(f"wrote {out}, {svg}")
     return 0
 
@@ -491,7 +491,7 @@ _SCRIPT = r"""
         Math.min(...inC).toFixed(3) : '') + (outC.length ? ', highest left masked ' + Math.max(...outC).toFixed(3) : '') +
         '</div>';
     } else {
-      h += '<div>committed: ' + s.accepted.map(([o, m]) => span(o, m)).join(', ') + '</div>';
+      h += '<div>committed at position ' + s.accepted.map(([o, m]) => span(o, m)).join(', ') + '</div>';
     }
     if (s.split.length) h += '<div>split off (back to the pool): ' + s.split.map(([o, m]) => span(o, m)).join(', ') + '</div>';
     if (s.remasked.length) h += '<div>remasked (back to the pool): ' + s.remasked.map(([o, m]) => span(o, m)).join(', ') + '</div>';
