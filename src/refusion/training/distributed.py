@@ -563,17 +563,17 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     # A barrier drains gloo's work queue before exit: otherwise the DDP reducer, freed at interpreter
     # teardown with the GIL held, joins gloo's worker thread while that thread waits for the GIL to free
-    # the last all-gather's tensors (a deadlock seen in about half of the 2-process CPU runs here).
+    # the last all-gather's tensors (without it, about half of 2-process CPU runs deadlock).
     accelerator.wait_for_everyone()
     accelerator.end_training()
     _LIVE.append(trainer)  # not freed on return: see __main__
     return 0
 
 
-# The barrier above made that deadlock rare, not impossible: under CPU contention ~1 run in 6 still hung
-# (faulthandler: the main thread in C code at the `main()` call, as main's locals were freed, and gloo's
-# thread without a Python frame). So the trainer outlives main() and the command-line process leaves
-# with os._exit, without freeing it: everything is written and flushed by then.
+# The barrier above makes that deadlock rare, not impossible: under CPU contention about 1 run in 6 can
+# still hang (faulthandler: the main thread in C code at the `main()` call, as main's locals are freed, and
+# gloo's thread without a Python frame). So the trainer outlives main() and the command-line process
+# leaves with os._exit, without freeing it: everything is written and flushed by then.
 _LIVE: list[Any] = []
 
 if __name__ == "__main__":

@@ -34,45 +34,16 @@ Batches are grouped by length (``GROUP_BY_LENGTH``) except for objectives that s
 ``wants_random_batches`` (``mdm``, whose EOS padding to the batch's longest response is what teaches a
 LLaDA-style model where an answer ends); each stage records its ``group_by_length``.
 
-How P and F were chosen (defaults below). Measured on tinybench train (47,200 pairs; arith answers
-95-157 tokens) with batch 32 and length-grouped batches (pools of 64 batches sorted by length) on this
-machine's 2 cores, fp32: a pretraining step takes ~1.25 s with 2 threads on a quiet machine, and
-several times longer when another process competes for the cores (a 2-thread process on one free
-core spin-waits: 3-7 s per step was measured). The first recipe (P = 1800, F = 600) left
-``tiny-refusion`` at 0.41 masked accuracy, so its decoding fell back to Stage II-b. The second
-(P = 1500, F = 800) showed that the fine-tunes inherit the base's skill: its ``tiny-base`` solved
-2/20 validation arith problems (AR greedy), ``tiny-ar`` 800 AR steps later 17/20 on test, while
-``tiny-refusion``, whose hybrid steps train AR on clean slots only, still solved 0/10 when decoded AR
-greedy. The v2 recipe (P = 2400, F = 800) showed the same: its base solved 3/20 validation arith problems,
-``tiny-ar`` 18/20 after 800 more AR steps, ``tiny-refusion`` 0/10 (decoded AR greedy or with ReFusion),
-and 800 further hybrid steps on top of ``tiny-refusion`` (1600 in all) raised its validation masked
-accuracy from 0.65 to 0.78 and ReFusion's TPF from 1.07 to 1.75 on arith and 1.17 to 1.91 on code, but
-left arith at 0/10 (docs/diagnostics/README.md): the hybrid objective keeps an AR skill the base has far
-better than it teaches one (its AR loss sees the clean slots shuffled). So v3 pretrains longer, P = 3600,
-so that the base itself does arithmetic. v3 first fine-tuned F = 1200 and then F = 3000 from the same
-base, both on one H200 (``--device cuda``; a 2-core CPU run of the same pretraining, stopped at step
-2780, followed the same curve: train loss 1.756 on both at step 100, 0.039 on both at step 2000). On 20
-validation samples per task, ``tiny-ar`` scored 100/100/80% (arith, code, facts) at F = 1200 and
-100/100/100% at F = 3000; ``tiny-refusion`` with ReFusion decoding went from 0/35/25% at TPF 1.3/1.6/0.7
-to 20/90/30% at TPF 3.5/8.6/1.4, and its validation masked accuracy from 0.73 to 0.85 (0.84 at step 2400:
-still rising slowly, while ``mdm`` is flat at 0.83 and ``block`` at 0.99). Hence F = 3000. Wall time: ~6
-min on one H200 (pretraining 1.7 min, the four fine-tunes side by side in 4 min); on the 2-core CPU ~75
-min of pretraining with 2 threads and, with ``--jobs 2``, ~4.5 h of fine-tuning (a 1-thread step costs
-~2.3 s, ~3.5 s for ``block``).
-With ``--jobs 2`` the four fine-tunes run two at a time in 1-thread workers (``block`` steps carry the
-clean copy of the response and cost ~1.6x). Override with ``--pretrain-steps`` / ``--finetune-steps``.
-R = 2400 (v4): ``tiny-refusion`` was still improving at F = 3000, and 2400 more steps under a fresh
-schedule took its ReFusion accuracy on 50 validation samples per task from 74/96/54% to 96/100/64%
-(arith/code/facts, each with its tuned settings) and its AR-greedy accuracy from 74/76/46% to
-92/84/64% (docs/training.md); every objective gets the same steps, so the comparison stays controlled.
-On the 2-core CPU a 1-thread refine step took ~1.2 s (``ar``, ``refusion``), ~1.3 s (``mdm``) and ~2.1 s
-(``block``) two processes at a time: ~2.2 h for the four with ``--jobs 2``.
-B = 3000 and N = 3 (v5): the hybrid objective keeps an AR skill it starts from better than it teaches
-one, so every objective now branches from ``tiny-base`` + 3,000 ``ar`` steps (ReFusion's validation facts
-80.5% against 40.5% after the same F hybrid steps); and each further refine round added 3-4.5 points of
-ReFusion arith (87.0%, 90.0%, 94.5% after rounds 1-3); rounds 4-6 of the ``refusion`` arm alone, with
-the later ``bench.yaml`` settings, gave 94.5%, 96.5%, 97.5% (docs/training.md, docs/diagnostics/README.md).
-On the 2-core CPU the stage times of the v5 run sum to ~22 h of 1-thread work (~11 h with ``--jobs 2``).
+Defaults (below) and why (docs/training.md; the runs behind each choice: docs/history/training.md):
+P = 3600 pretraining steps, so that the base itself does arithmetic (the hybrid objective keeps an AR
+skill the base has far better than it teaches one); B = 3000 more ``ar`` steps before the objectives
+branch, for the same reason (ReFusion, too, starts from a tuned AR model); F = 3000 fine-tuning steps and
+N = 8 refine rounds of R = 2400 steps, since the hybrid arm keeps improving with more steps; longer slots
+for the ``refusion`` arm from round 6 and the facts-heavier mix for every arm from round 7, since facts is
+the task the hybrid arm learns slowest. Every arm gets the same base, steps, rounds, schedules and data,
+so the comparison stays controlled. With ``--jobs N`` the fine-tunes and refine rounds run in N one-thread
+worker processes; on 2 CPU cores (``--jobs 2``) the whole recipe takes ~28 h, a one-thread step ~1.2-1.4 s
+for ``ar`` and ``refusion`` and ~2.3-2.5 s for ``block`` and ``mdm``.
 """
 
 from __future__ import annotations
@@ -119,9 +90,8 @@ def objective_options(name: str, round_: int, long_slots_from: int = LONG_SLOTS_
     """Options of ``name``'s objective in refine round ``round_`` (0: the fine-tune); None: its defaults.
 
     From round ``long_slots_from`` on (0: never) the ``refusion`` arm draws its slot sizes from
-    ``LONG_SLOT_SIZES`` instead of the reference's {4, 8, 16, 32}: after round 5 the judgement of facts
-    options stalled, because with short slots a judgement is trained with the stated value out of view
-    (docs/training.md, v6)."""
+    ``LONG_SLOT_SIZES`` instead of the reference's {4, 8, 16, 32}: with short slots a facts answer's
+    judgement of an option is mostly trained with the stated value out of view (docs/training.md)."""
     if name == "refusion" and long_slots_from and round_ >= long_slots_from:
         return {"slot_sizes": list(LONG_SLOT_SIZES)}
     return None
@@ -131,7 +101,7 @@ def stage_data(round_: int, mix_from: int = MIX_FROM_ROUND) -> str:
     """The training data of refine round ``round_`` (0: the fine-tune) for every arm: tinybench, and from
     round ``mix_from`` on (0: never) ``LATE_MIX``, tinybench with each facts example three times: facts,
     whose short examples cost a third of a mixed step, is the task the hybrid arm learns slowest
-    (docs/training.md, v6)."""
+    (docs/training.md)."""
     return LATE_MIX if mix_from and round_ >= mix_from else "tinybench"
 
 
@@ -161,7 +131,7 @@ def _stage_done(work: Path) -> dict | None:
 
 def _write_json(path: Path, data: Any) -> None:
     """Write ``data`` to ``path`` atomically; fine-tune workers write the same summary at once, so each
-    write goes through its own temporary file (a shared ``.tmp`` name let one worker's replace fail)."""
+    write goes through its own temporary file (with a shared ``.tmp`` name one worker's replace can fail)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(data, indent=2, default=str))
