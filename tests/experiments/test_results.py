@@ -5,20 +5,32 @@ import json
 import pytest
 
 from refusion.experiments import results
-from refusion.experiments.results import CLAIMS, noise, verdict, write_document
+from refusion.experiments.results import CLAIMS, Inconclusive, agree, as_accurate, verdict, write_document
 
 CLAIM = {c.ablation: c for c in CLAIMS}
 
 
-def row(task, run, acc, tps=10.0, tpf=1.0, n=50, decoder="refusion", **params):
+def row(task, run, acc, tps=10.0, tpf=1.0, n=200, decoder="refusion", **params):
+    """A summary row whose first ``round(acc * n)`` samples are right (so two rows differ only on the samples
+    between their counts: paired differences all in one direction)."""
     nfe = 1.2 if run == "kv_recompute" else 1.0  # recompute's extra forward when slots complete together
     return {"task": task, "run": run, "decoder": decoder, "n": n, "accuracy": acc, "tokens_per_second": tps,
-            "tpf": tpf, "nfe_mean": nfe, "latency_s_mean": 1.0, "speedup": None, **params}
+            "tpf": tpf, "nfe_mean": nfe, "latency_s_mean": 1.0, "speedup": None,
+            "per_sample": {i: i < round(acc * n) for i in range(n)}, **params}
 
 
-def test_noise_is_two_standard_errors_with_a_floor():
-    assert noise(row("t", "a", 0.5, n=50), row("t", "b", 0.5, n=50)) == pytest.approx(2 * (0.25 * 2 / 50) ** 0.5)
-    assert noise(row("t", "a", 1.0), row("t", "b", 1.0)) == 0.02
+def test_paired_comparisons_hold_fail_or_are_inconclusive():
+    assert as_accurate(row("t", "a", 0.90), row("t", "b", 0.92))  # 4 of 200 apart: within 5 points
+    assert not as_accurate(row("t", "a", 0.80), row("t", "b", 0.92))  # worse beyond doubt
+    with pytest.raises(Inconclusive, match="a vs b: -10.0 points"):  # 2 of 20 apart: the interval reaches both
+        as_accurate(row("t", "a", 0.80, n=20), row("t", "b", 0.90, n=20))
+    assert agree(row("t", "a", 0.90), row("t", "b", 0.92)) and not agree(row("t", "a", 0.70), row("t", "b", 0.92))
+    with pytest.raises(Inconclusive, match="straddles"):
+        agree(row("t", "a", 0.85), row("t", "b", 0.90))
+    shifted = row("t", "b", 0.9)
+    shifted["per_sample"] = {i: i >= 20 for i in range(200)}  # same accuracy, other samples: 40 discordant
+    with pytest.raises(Inconclusive):
+        agree(row("t", "a", 0.9), shifted)
 
 
 def test_kv_cache_verdicts_per_task():
@@ -153,14 +165,14 @@ def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
     assert why[0].startswith("arith: not testable, every run at chance (best 0%, chance 0%")
     assert why[1].startswith("code: yes") and why[2].startswith("facts: not testable")
     assert verdict(CLAIM["kv_cache"], rows[:4])[0] == "cannot be tested here"
-    rows[1]["accuracy"] = 0.5  # recompute above chance: arith is tested, and reuse (0%) fails it
+    rows[1] = row("arith", "kv_recompute", 0.5, tps=10)  # recompute above chance: arith is tested, reuse (0%) fails it
     assert verdict(CLAIM["kv_cache"], rows)[0] == "mixed"
     speed = [row("arith", f"t{v}", 0.0, tpf=t, **{"verifier.token_threshold": v}) for v, t in ((0.1, 2.0), (0.9, 1.0))]
     assert verdict(CLAIM["token_threshold"], speed)[0] == "holds"  # a speed claim is tested at any accuracy
 
 
 def test_frontier_skips_a_task_where_every_setting_of_a_decoder_has_one_tpf():
-    """v5 code: all four ReFusion settings decoded at TPF 19.87; arith and facts still decide the claim."""
+    """On code all four ReFusion settings decode at TPF 19.87; arith and facts still decide the claim."""
     arith = [row("arith", "r1", 0.90, tpf=1.5), row("arith", "r2", 0.88, tpf=3.0),
              row("arith", "l1", 0.80, tpf=1.0, decoder="llada"), row("arith", "l2", 0.40, tpf=2.0, decoder="llada")]
     code = [row("code", "r1", 1.0, tpf=19.87), row("code", "r2", 1.0, tpf=19.87),
@@ -209,3 +221,18 @@ def test_a_claim_about_accuracy_is_not_tested_where_every_run_is_at_the_ceiling(
     word, why = verdict(CLAIM["scorers"], rows)
     assert word == "holds" and why[0].startswith("arith: not testable, every run at the ceiling (100%")
     assert verdict(CLAIM["scorers"], rows[:3])[0] == "cannot be tested here"
+
+
+def test_step_table_compares_each_rung_with_the_one_before_on_shared_samples():
+    from refusion.experiments.results import step_table
+
+    def rec(run, idx, correct, wall):
+        return {"run": run, "task": "arith", "idx": idx, "correct": correct, "generated_tokens": 10, "nfe": 5,
+                "wall_s": wall}
+
+    records = [rec("0 ref", i, i < 2, 1.0) for i in range(4)] + [rec("1 +a", i, True, 0.5) for i in range(4)]
+    records += [rec("2 +b", i, i == 0, 0.5) for i in range(3)]  # one sample short: compared on three
+    lines = step_table(records, ["0 ref", "1 +a", "2 +b"])
+    assert len(lines) == 4
+    assert "| arith | 1 +a | 50.0 -> 100.0 | +50.0 [" in lines[2] and "| 2.00x [2.00, 2.00] |" in lines[2]
+    assert "| arith | 2 +b | 100.0 -> 33.3 | -66.7 [" in lines[3] and "| 1.00x [1.00, 1.00] |" in lines[3]

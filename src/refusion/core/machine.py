@@ -1,9 +1,8 @@
 """A one-line description of the machine a run happens on, for records and docs.
 
-Wall times and even float round-off depend on it: the same one-thread training ran ~1.55x slower on one
-2-core AMD EPYC host (torch CPU kernels ``AVX2``) than on earlier hosts of the same name, and its loss
-after 20 steps differed from theirs in the 7th digit (torch picks its CPU kernels by instruction set, and
-they need not round alike). Stage records (``stage.json``) and the training log's ``start`` records
+Wall times and even float round-off depend on it: torch picks its CPU kernels by instruction set
+(``AVX2``, ``AVX512``), and two hosts with the same CPU name but different kernels can differ in speed
+and in the last digits of a training loss. Stage records (``stage.json``) and the training log's ``start`` records
 carry this string.
 """
 

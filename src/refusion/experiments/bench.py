@@ -67,9 +67,13 @@ class BenchConfig(BaseModel):
         return self.rows[row].decoder if row in self.rows else row
 
     def decoder_config(self, task: str, row: str, gen_length: int, overrides: list[str] = ()) -> dict[str, Any]:
-        """The row's shared settings, then the task's overrides for the row, then ``overrides`` (``key=value``)."""
+        """The row's shared settings, then the task's overrides for the row (a harder level without its own:
+        its base task's), then ``overrides`` (``key=value``)."""
+        from refusion.tasks import get_task
+
         cfg = {"decoder": self.decoder_of(row), "gen_length": gen_length, **self.decoders.get(row, {})}
-        for key, value in self.tasks.get(task, {}).get(row, {}).items():
+        per_task = self.tasks.get(task) or self.tasks.get(get_task(task).split_name, {})
+        for key, value in per_task.get(row, {}).items():
             cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) and isinstance(value, dict) else value
         return apply_overrides(cfg, list(overrides))
 

@@ -13,8 +13,12 @@ Verdicts are rules over the measured rows, never typed by hand, so a rerun rewri
 * ``cannot be tested here``: a run the claim needs is missing (for example no model for the decoder),
   or every task is at chance or at the ceiling (below).
 
-"Same accuracy" always means within noise: two binomial standard errors of the pooled accuracy of the
-two runs compared on that task, and at least 2 points. A claim about accuracy is not tested on a task
+Accuracy is compared paired, on the samples both runs decoded (:mod:`refusion.experiments.stats`: the
+95% paired-bootstrap interval of the difference). "A is at least as accurate as B" holds when the
+interval's lower end is above -``MARGIN`` (5 points), and fails when its upper end is below 0 (A is
+worse beyond doubt); "A and B agree" holds when the whole interval is within ``MARGIN`` of 0, and fails
+when it lies wholly outside. Anything between is **inconclusive** on that task: the samples cannot
+tell, and the task is listed as such and left out of the verdict. A claim about accuracy is not tested on a task
 where every run of the ablation is at chance level (each run's accuracy at most the task's
 ``chance_accuracy`` plus two binomial standard errors of it, and at least 5 points): "0% and 0% agree"
 says nothing about the decoder; nor does "100% and 100% agree" on a task where every run got every
@@ -36,16 +40,76 @@ from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, plot, run_ab
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
-         "variants")
+         "variants", "ladder")
+STEPPED = ("ladder",)  # analyses whose runs are rungs: each run is compared with the one before it
 Rows = list[dict[str, Any]]
 Outcome = tuple[bool, str]  # (claim true on this task, the numbers that decided it)
 
 
-def noise(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """Two binomial standard errors of the pooled accuracy of rows ``a`` and ``b`` (at least 0.02)."""
-    n = a["n"] + b["n"]
-    p = (a["accuracy"] * a["n"] + b["accuracy"] * b["n"]) / n
-    return max(0.02, 2 * math.sqrt(p * (1 - p) * (1 / a["n"] + 1 / b["n"])))
+MARGIN = 0.05  # accuracy points (as a fraction) within which two runs count as equally accurate
+
+
+class NotTestable(Exception):
+    """Raised by a claim's test when its runs are all there but cannot answer it on a task (message: why)."""
+
+
+class AtChance(NotTestable):
+    """Raised by a claim's test when the runs it compares are at chance on a task (message: the numbers)."""
+
+
+class Inconclusive(NotTestable):
+    """Raised by a claim's test when the paired interval it reads can neither confirm nor refute it."""
+
+
+def paired_gap(a: dict[str, Any], b: dict[str, Any]):
+    """A's accuracy minus B's on the samples both decoded, with its 95% paired-bootstrap interval
+    (:class:`~refusion.experiments.stats.Interval`). Rows carry their samples' correctness as
+    ``per_sample`` (``idx -> bool``; :func:`attach_samples`)."""
+    from refusion.experiments.stats import paired_accuracy
+
+    if "per_sample" not in a or "per_sample" not in b:
+        raise LookupError("per-sample results (samples.jsonl) of both runs")
+    ids = sorted(set(a["per_sample"]) & set(b["per_sample"]))
+    if not ids:
+        raise LookupError(f"samples decoded by both {a['run']!r} and {b['run']!r}")
+    return paired_accuracy([b["per_sample"][i] for i in ids], [a["per_sample"][i] for i in ids]).difference
+
+
+def _gap_text(gap) -> str:
+    return f"{100 * gap.value:+.1f} points [{100 * gap.low:+.1f}, {100 * gap.high:+.1f}]"
+
+
+def as_accurate(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether A is at least as accurate as B (non-inferiority within ``MARGIN``, paired); raises
+    :class:`Inconclusive` when the interval allows both."""
+    gap = paired_gap(a, b)
+    if gap.low >= -MARGIN:
+        return True
+    if gap.high < 0:
+        return False
+    raise Inconclusive(f"{a['run']} vs {b['run']}: {_gap_text(gap)}, neither within {100 * MARGIN:g} points "
+                       "nor below 0")
+
+
+def agree(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether A and B are equally accurate (equivalence within ``MARGIN``, paired); raises
+    :class:`Inconclusive` when the interval straddles the margin."""
+    gap = paired_gap(a, b)
+    if -MARGIN <= gap.low and gap.high <= MARGIN:
+        return True
+    if gap.low > MARGIN or gap.high < -MARGIN:
+        return False
+    raise Inconclusive(f"{a['run']} vs {b['run']}: {_gap_text(gap)}, straddles +/-{100 * MARGIN:g} points")
+
+
+def attach_samples(rows: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+    """Give each summary row ``per_sample``: ``idx -> correct`` of its run's records on its task."""
+    by: dict[tuple[str, str], dict[int, bool]] = {}
+    for r in records:
+        by.setdefault((r["run"], r["task"]), {})[r["idx"]] = bool(r["correct"])
+    for row in rows:
+        if (row["run"], row["task"]) in by:
+            row["per_sample"] = by[row["run"], row["task"]]
 
 
 def _pct(v: float) -> str:
@@ -68,14 +132,6 @@ def at_chance(task: str, runs: dict[str, dict[str, Any]]) -> bool:
 def at_ceiling(runs: dict[str, dict[str, Any]]) -> bool:
     """Whether every run on a task got every sample right: a comparison of accuracies that cannot fail."""
     return all(r["accuracy"] >= 1.0 for r in runs.values())
-
-
-class NotTestable(Exception):
-    """Raised by a claim's test when its runs are all there but cannot answer it on a task (message: why)."""
-
-
-class AtChance(NotTestable):
-    """Raised by a claim's test when the runs it compares are at chance on a task (message: the numbers)."""
 
 
 def _by_task(rows: Rows) -> dict[str, dict[str, dict[str, Any]]]:
@@ -108,10 +164,10 @@ def kv_reuse_faster_and_as_accurate(runs: dict[str, dict]) -> Outcome:
             same.append(f"{name}: both caches made the same forwards (NFE {c['nfe_mean']:.2f})")
             continue
         ratio = c["tokens_per_second"] / r["tokens_per_second"]
-        ok = ratio > 1 and c["accuracy"] >= r["accuracy"] - noise(c, r)
+        ok = ratio > 1 and as_accurate(c, r)
         judged.append((ok, f"{name}: reuse {ratio:.2f}x the tokens/s of recompute, accuracy "
-                           f"{_pct(c['accuracy'])} vs {_pct(r['accuracy'])}, NFE {c['nfe_mean']:.2f} vs "
-                           f"{r['nfe_mean']:.2f}"))
+                           f"{_pct(c['accuracy'])} vs {_pct(r['accuracy'])} ({_gap_text(paired_gap(c, r))}), "
+                           f"NFE {c['nfe_mean']:.2f} vs {r['nfe_mean']:.2f}"))
     if not judged:
         raise NotTestable("; ".join(same) + ": no Stage II-b round completed two or more slots at once, where "
                           "reuse and recompute differ")
@@ -122,8 +178,9 @@ def scorers_comparable(runs: dict[str, dict]) -> Outcome:
     names = [n for n in ("first_token_prob", "mean_prob", "mean_neg_entropy") if n in runs]
     accs = {n: runs[n]["accuracy"] for n in names}
     hi, lo = max(accs, key=accs.get), min(accs, key=accs.get)
-    ok = accs[hi] - accs[lo] <= noise(runs[hi], runs[lo])
-    return ok, ", ".join(f"{n} {_pct(a)}" for n, a in accs.items())
+    ok = agree(runs[hi], runs[lo])
+    return ok, (", ".join(f"{n} {_pct(a)}" for n, a in accs.items())
+                + f"; {hi} - {lo}: {_gap_text(paired_gap(runs[hi], runs[lo]))}")
 
 
 def _swept(runs: dict[str, dict], key: str) -> list[dict]:
@@ -133,9 +190,10 @@ def _swept(runs: dict[str, dict], key: str) -> list[dict]:
 def higher_slot_threshold_more_accurate(runs: dict[str, dict]) -> Outcome:
     pts = _swept(runs, "selector.slot_threshold")
     lo, hi = pts[0], pts[-1]
-    ok = hi["accuracy"] >= lo["accuracy"] - noise(lo, hi)
+    ok = as_accurate(hi, lo)
     return ok, (f"slot_threshold {lo['selector.slot_threshold']:g}: {_pct(lo['accuracy'])} (TPF {lo['tpf']:.2f}); "
-                f"{hi['selector.slot_threshold']:g}: {_pct(hi['accuracy'])} (TPF {hi['tpf']:.2f})")
+                f"{hi['selector.slot_threshold']:g}: {_pct(hi['accuracy'])} (TPF {hi['tpf']:.2f}); "
+                f"difference {_gap_text(paired_gap(hi, lo))}")
 
 
 def higher_token_threshold_slower(runs: dict[str, dict]) -> Outcome:
@@ -151,7 +209,7 @@ def larger_slots_not_worse(runs: dict[str, dict]) -> Outcome:
     best_small = max((r for r in pts if r["slot_size"] <= 4), key=lambda r: r["accuracy"])
     big = [r for r in pts if r["slot_size"] >= 8]
     top = max(big, key=lambda r: (r["accuracy"], r["tpf"]))
-    ok = top["accuracy"] >= best_small["accuracy"] - noise(top, best_small) and top["tpf"] >= best_small["tpf"]
+    ok = top["tpf"] >= best_small["tpf"] and as_accurate(top, best_small)
     return ok, (f"best of k<=4: k={best_small['slot_size']} {_pct(best_small['accuracy'])} TPF {best_small['tpf']:.2f}; "
                 f"best of k>=8: k={top['slot_size']} {_pct(top['accuracy'])} TPF {top['tpf']:.2f}")
 
@@ -159,8 +217,8 @@ def larger_slots_not_worse(runs: dict[str, dict]) -> Outcome:
 def block_size_robust(runs: dict[str, dict]) -> Outcome:
     pts = _swept(runs, "serial_blocks")
     hi, lo = max(pts, key=lambda r: r["accuracy"]), min(pts, key=lambda r: r["accuracy"])
-    ok = hi["accuracy"] - lo["accuracy"] <= noise(hi, lo)
-    return ok, ", ".join(f"{r['serial_blocks']} block{'s' * (r['serial_blocks'] != 1)} {_pct(r['accuracy'])} "
+    ok = agree(hi, lo)
+    return ok, f"most - least accurate {_gap_text(paired_gap(hi, lo))}: " + ", ".join(f"{r['serial_blocks']} block{'s' * (r['serial_blocks'] != 1)} {_pct(r['accuracy'])} "
                          f"(TPF {r['tpf']:.2f})" for r in pts)
 
 
@@ -192,8 +250,9 @@ def refusion_flatter_than_llada(runs: dict[str, dict]) -> Outcome:
 def any_order_faster_than_left_to_right(runs: dict[str, dict]) -> Outcome:
     p, l2r = runs["plain"], runs["left_to_right"]
     ratio = p["tokens_per_second"] / l2r["tokens_per_second"]
-    ok = ratio > 1 and p["accuracy"] >= l2r["accuracy"] - noise(p, l2r)
-    return ok, f"any-order {ratio:.2f}x the tokens/s of left-to-right, accuracy {_pct(p['accuracy'])} vs {_pct(l2r['accuracy'])}"
+    ok = ratio > 1 and as_accurate(p, l2r)
+    return ok, (f"any-order {ratio:.2f}x the tokens/s of left-to-right, accuracy {_pct(p['accuracy'])} vs "
+                f"{_pct(l2r['accuracy'])} ({_gap_text(paired_gap(p, l2r))})")
 
 
 @dataclass(frozen=True)
@@ -211,7 +270,7 @@ CLAIMS = (
           "kv_concat is faster than kv_recompute and as accurate", kv_reuse_faster_and_as_accurate),
     Claim("scorers", "Table 7 (App. C.2): first-token probability, mean slot probability and mean slot entropy "
           "give highly comparable performance; first-token is the default as the cheapest.",
-          "the three scorers' accuracies agree within noise", scorers_comparable),
+          "the three scorers' accuracies agree within 5 points (paired)", scorers_comparable),
     Claim("slot_threshold", "Figure 4 (§5.4): a higher slot threshold improves performance; its effect on "
           "throughput is non-monotonic; sweet spot 0.5-1.0.",
           "the highest slot threshold is at least as accurate as the lowest", higher_slot_threshold_more_accurate),
@@ -223,7 +282,7 @@ CLAIMS = (
           "the best slot size >= 8 is as accurate and at least as parallel as the best <= 4", larger_slots_not_worse),
     Claim("serial_blocks", "App. C.7 / Figure 9: block sizes 32-128 are a sweet spot; from 32 to 512 pass@1 "
           "drops only ~0.2% relative to its peak.",
-          "accuracy agrees within noise across serial block counts", block_size_robust),
+          "accuracy agrees within 5 points (paired) across serial block counts", block_size_robust),
     Claim("frontier", "Figure 7 (App. C.4): as tokens per forward grow, LLaDA's and Dream's accuracy falls "
           "sharply while ReFusion's curve is much flatter.",
           "ReFusion loses less accuracy per unit of TPF gained than the LLaDA-style decoder",
@@ -241,6 +300,8 @@ def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
     for task, runs in sorted(_by_task(rows).items()):
         try:
             ok, why = claim.test(runs)
+        except Inconclusive as e:
+            ok, why = None, str(e)
         except NotTestable as e:
             lines.append(f"{task}: not testable, {e}")
             continue
@@ -255,6 +316,9 @@ def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
             lines.append(f"{task}: not testable, every run at chance (best {_pct(best)}, chance "
                          f"{_pct(chance(task))}; {why})")
             continue
+        if ok is None:
+            lines.append(f"{task}: inconclusive, {why}")
+            continue
         outcomes.append((task, ok, why))
         lines.append(f"{task}: {'yes' if ok else 'no'} ({why})")
     if not outcomes:
@@ -262,6 +326,33 @@ def verdict(claim: Claim, rows: Rows) -> tuple[str, list[str]]:
     n_ok = sum(ok for _, ok, _ in outcomes)
     word = "holds" if n_ok == len(outcomes) else "does not hold" if n_ok == 0 else "mixed"
     return word, lines
+
+
+def step_table(records: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """What each run buys over the run before it (the rungs of a ladder, in ``labels`` order), per task, on
+    the samples both decoded: accuracy difference in points and tokens/s ratio, each with its 95%
+    paired-bootstrap interval, McNemar's p, and the TPF of both. Markdown lines."""
+    from refusion.experiments.runner import decode_share_s
+    from refusion.experiments.stats import paired_accuracy, throughput_ratio
+
+    by = {(r["run"], r["task"], r["idx"]): r for r in records}
+    lines = ["| task | change | acc before -> after % | points [95%] | McNemar p | tokens/s ratio [95%] | TPF before -> after |",
+             "|---|---|---|---|---|---|---|"]
+    for task in sorted({r["task"] for r in records}):
+        for before, after in zip(labels, labels[1:]):
+            ids = sorted(i for (run, t, i) in by if run == before and t == task and (after, task, i) in by)
+            if not ids:
+                continue
+            a, b = [by[before, task, i] for i in ids], [by[after, task, i] for i in ids]
+            acc = paired_accuracy([r["correct"] for r in a], [r["correct"] for r in b])
+            ratio = throughput_ratio([r["generated_tokens"] for r in a], [decode_share_s(r) for r in a],
+                                     [r["generated_tokens"] for r in b], [decode_share_s(r) for r in b])
+            tpf = [sum(r["generated_tokens"] for r in rs) / max(1, sum(r["nfe"] for r in rs)) for rs in (a, b)]
+            d = acc.difference
+            lines.append(f"| {task} | {after} | {100 * acc.accuracy_a:.1f} -> {100 * acc.accuracy_b:.1f} | "
+                         f"{100 * d.value:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {acc.p_value:.2g} | "
+                         f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] | {tpf[0]:.2f} -> {tpf[1]:.2f} |")
+    return lines
 
 
 def shipped_models() -> str:
@@ -295,9 +386,12 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
                                            f"({torch.get_num_threads()} torch threads)."),
              f"- Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; models: the shipped checkpoints "
              f"({shipped_models()}); split: test; decoder settings: `configs/bench.yaml` plus each run's overrides.",
-             "- Accuracy differences are judged against noise: two binomial standard errors of the pooled "
-             "accuracy of the two runs compared (at least 2 points). Speeds are tokens/s measured side by side "
-             "in one run (samples interleaved), TPF = generated tokens / forward calls.",
+             "- Accuracies are compared paired, on the samples both runs decoded, by the 95% paired-bootstrap "
+             "interval of their difference: \"at least as accurate\" holds when its lower end is above -5 points "
+             "and fails when its upper end is below 0; \"agree\" holds when it lies within 5 points of 0 and "
+             "fails when it lies wholly outside; a task where the interval allows both is inconclusive and left "
+             "out of the verdict. Speeds are tokens/s measured side by side in one run (samples interleaved), "
+             "TPF = generated tokens / forward calls.",
              "- A claim about accuracy is not tested on a task where every run is at chance (arith and code: "
              "at most 5%; facts: within two standard errors of 25%) or every run is at the ceiling (100%): "
              "there the data could not have said otherwise, so such tasks are listed as not testable and "
@@ -308,15 +402,20 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
              "| analysis | paper | verdict | run time |", "|---|---|---|---|"]
     sections, summary = [], []
     for name in names:
+        from refusion.experiments.records import load_records
+
         rows = json.loads((out / name / "results.json").read_text())
+        attach_samples(rows, load_records(out / name / "samples.jsonl"))
         cfg = load_ablation(name + ".yaml")
         claim = claims.get(name)
         word, why = verdict(claim, rows) if claim else ("(no claim)", [])
-        untested = [line.split(":")[0] for line in why if "not testable" in line]
-        tested = [line.split(":")[0] for line in why if "not testable" not in line]
-        untestable = [line for line in why if "not testable" in line]
+        untestable = [line for line in why if ": not testable" in line or ": inconclusive" in line]
+        untested = [line.split(":")[0] for line in untestable]
+        tested = [line.split(":")[0] for line in why if line not in untestable]
         reason = ("at chance" if all("at chance" in line for line in untestable) else
-                  "at the ceiling" if all("ceiling" in line for line in untestable) else "not testable")
+                  "at the ceiling" if all("ceiling" in line for line in untestable) else
+                  "inconclusive" if all(": inconclusive" in line for line in untestable) else
+                  "not testable or inconclusive")
         scope = f" (tested on {', '.join(tested)}; {reason} on {', '.join(untested)})" if tested and untested else ""
         summary.append(f"| [{cfg.title or name}](#{name}) | {claim.paper.split(':')[0] if claim else ''} | "
                        f"**{word}**{scope} | {timings.get(name, 0) / 60:.1f} min |")
@@ -328,6 +427,10 @@ def write_document(out: Path, doc: Path, names: list[str], timings: dict[str, fl
             sec += [f"**Paper.** {claim.paper}", "", f"**Tested here.** {claim.claim}: **{word}**.", ""]
             sec += [f"- {w}" for w in why] + [""]
         sec += [markdown_table(rows, extra), ""]
+        if name in STEPPED:
+            labels = [r.label for r in cfg.runs if r.label != cfg.baseline]
+            sec += ["What each change buys: each row against the row before it, on the same samples.", "",
+                    *step_table(load_records(out / name / "samples.jsonl"), labels), ""]
         for i, spec in enumerate(cfg.plots if rows else []):  # drawn again from the rows, as `ablate` draws them
             png = plot(rows, spec, fig_dir, f"{name}_{i}")[0]
             sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]

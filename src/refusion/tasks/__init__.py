@@ -1,6 +1,8 @@
 """tinybench: the generated tasks tiny models are trained and evaluated on (arith, code, facts).
 
-``TASKS`` maps names to task instances; ``export_json`` writes a split in the reference training
+``TASKS`` maps names to task instances (the level the models are trained on); ``HARD_TASKS`` the
+harder level of each (``arith_hard``, ``code_hard``, ``facts_hard``: evaluation only, never in the
+training mixture); :func:`get_task` finds both. ``export_json`` writes a split in the reference training
 format (a JSON list of ``{"query", "response"}`` records, responses without eos).
 """
 
@@ -10,20 +12,22 @@ import json
 import os
 from pathlib import Path
 
-from refusion.tasks.arith import ArithTask
+from refusion.tasks.arith import ArithHardTask, ArithTask
 from refusion.tasks.base import SPLITS, Example, Task, split_of
-from refusion.tasks.code import CodeTask
-from refusion.tasks.facts import FactsTask
+from refusion.tasks.code import CodeHardTask, CodeTask
+from refusion.tasks.facts import FactsHardTask, FactsTask
 
 TASKS: dict[str, Task] = {task.name: task for task in (ArithTask(), CodeTask(), FactsTask())}
+HARD_TASKS: dict[str, Task] = {task.name: task for task in (ArithHardTask(), CodeHardTask(), FactsHardTask())}
 
-__all__ = ["SPLITS", "TASKS", "Example", "Task", "corpus", "export_json", "get_task", "split_of"]
+__all__ = ["HARD_TASKS", "SPLITS", "TASKS", "Example", "Task", "corpus", "export_json", "get_task", "split_of"]
 
 
 def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
-    return TASKS[name]
+    task = TASKS.get(name) or HARD_TASKS.get(name)
+    if task is None:
+        raise ValueError(f"unknown task {name!r}; expected one of {', '.join([*TASKS, *HARD_TASKS])}")
+    return task
 
 
 def export_json(path: str | os.PathLike, tasks: list[str], split: str, n: int | None = None) -> int:

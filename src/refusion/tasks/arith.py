@@ -17,10 +17,12 @@ The response restates each part and works it out on its own line, then adds the 
     #### 73
 
 Numbers stay small so that a ~3M-parameter model can learn them: products are (2-5) x (2-9), sums
-add 2-9 to 4-29, differences take 2-9 from 12-39; totals stay below 180. (The first version had 3-5
-parts with two-digit operands everywhere; the shipped 3.4M model then got 10% of it, almost every
-error a two-digit sum or difference, so the parts now carry one single-digit operand each.)
-Scoring is exact match on the integer after ``####``.
+add 2-9 to 4-29, differences take 2-9 from 12-39; totals stay below 180. Scoring is exact match on the
+integer after ``####``.
+
+``arith_hard`` (:class:`ArithHardTask`), the harder level: always 4 parts, and a sum or difference
+adds or takes 2-12 instead of 2-9, so some parts carry two two-digit operands, which the models were
+not trained on.
 
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
 min 96, p10 105, median 134, p90 151, max 156 (queries: median 49, max 57). ``max_new_tokens`` = 224:
@@ -46,18 +48,19 @@ CONTAINERS = ("bags", "boxes", "packs", "jars", "baskets", "bowls")
 _ANSWER = re.compile(r"####\s*(-?\d+)")
 
 
-def _part(rng: random.Random, name: str, obj: str) -> tuple[str, str, int]:
-    """One sub-computation: (query sentence, response line, value). The line restates the sentence."""
+def _part(rng: random.Random, name: str, obj: str, step_max: int = 9) -> tuple[str, str, int]:
+    """One sub-computation: (query sentence, response line, value). The line restates the sentence.
+    ``step_max``: the largest number a sum adds or a difference takes."""
     kind = rng.choice(("mul", "add", "sub"))
     if kind == "mul":
         a, b = rng.randint(2, 5), rng.randint(2, 9)
         sentence = f"{name} buys {a} {rng.choice(CONTAINERS)} of {b} {obj}"
         return f"{sentence}.", f"{sentence}, so {name} has {a} * {b} = {a * b} {obj}.", a * b
     if kind == "add":
-        a, b = rng.randint(4, 29), rng.randint(2, 9)
+        a, b = rng.randint(4, 29), rng.randint(2, step_max)
         sentence = f"{name} has {a} {obj} and finds {b} more"
         return f"{sentence}.", f"{sentence}, so {name} has {a} + {b} = {a + b} {obj}.", a + b
-    a, b = rng.randint(12, 39), rng.randint(2, 9)
+    a, b = rng.randint(12, 39), rng.randint(2, step_max)
     sentence = f"{name} has {a} {obj} and gives {b} away"
     return f"{sentence}.", f"{sentence}, so {name} has {a} - {b} = {a - b} {obj}.", a - b
 
@@ -75,10 +78,12 @@ class ArithTask(Task):
     name = "arith"
     max_new_tokens = 224
     sizes = {"train": 20000, "validation": 200, "test": 200}
+    parts = (3, 4)  # how many people (sub-computations), inclusive range
+    step_max = 9  # the largest number a sum adds or a difference takes
 
     def sample(self, rng: random.Random) -> Example:
         obj = rng.choice(OBJECTS)
-        parts = [_part(rng, name, obj) for name in rng.sample(NAMES, rng.randint(3, 4))]
+        parts = [_part(rng, name, obj, self.step_max) for name in rng.sample(NAMES, rng.randint(*self.parts))]
         total = sum(value for _, _, value in parts)
         query = "\n".join([q for q, _, _ in parts] + [f"How many {obj} do they have in total?"])
         lines = [line for _, line, _ in parts] + [total_line([v for _, _, v in parts]), f"#### {total}"]
@@ -90,3 +95,13 @@ class ArithTask(Task):
 
     def score(self, example: Example, completion: str) -> bool:
         return self.extract(completion) == example.answer
+
+
+class ArithHardTask(ArithTask):
+    """The harder level: 4 parts, sums and differences with 2-12."""
+
+    name = "arith_hard"
+    split_name = "arith"
+    sizes = {"train": 0, "validation": 200, "test": 200}
+    parts = (4, 4)
+    step_max = 12

@@ -1,7 +1,8 @@
 """The task interface of tinybench: an :class:`Example` record and the :class:`Task` base class.
 
-Splits are made disjoint by construction: every query is hashed (with the task name) into one of 20
-buckets; bucket 0 belongs to ``test``, bucket 1 to ``validation`` and the rest to ``train``. Each split
+Splits are made disjoint by construction: every query is hashed (with the task name; a harder level
+of a task with its base task's name, so that no query of its test split is in the base task's train
+split) into one of 20 buckets; bucket 0 belongs to ``test``, bucket 1 to ``validation`` and the rest to ``train``. Each split
 draws candidates from its own seeded generator (``random.Random(f"{task}:{split}")``) and keeps those
 that hash into it, so a split never needs the others to be generated, ``examples(split, n)`` is a
 prefix of ``examples(split, m)`` for ``n < m``, and no query of one split can appear in another.
@@ -37,6 +38,7 @@ class Task(ABC):
     """A generated task: deterministic splits, answer extraction and scoring."""
 
     name: str
+    split_name: str = ""  # whose hash buckets decide the splits (default: ``name``; a harder level: its base task's)
     max_new_tokens: int
     sizes: dict[str, int]  # default size of each split
     chance_accuracy: float = 0.0  # the accuracy of guessing (1/4 on four-option multiple choice)
@@ -61,7 +63,7 @@ class Task(ABC):
         seen: set[str] = set()
         while len(out) < n:
             example = self.sample(rng)
-            if example.query not in seen and split_of(self.name, example.query) == split:
+            if example.query not in seen and split_of(self.split_name or self.name, example.query) == split:
                 seen.add(example.query)
                 out.append(example)
         return out

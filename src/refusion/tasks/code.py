@@ -29,6 +29,9 @@ the completion's function (from its first ``def`` to the end of that indented bl
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
 min 31, p10 45, median 61, p90 76, max 91 (queries: median 57, max 86). ``max_new_tokens`` = 128:
 the longest gold response plus ~30%, rounded up to a multiple of 32.
+
+``code_hard`` (:class:`CodeHardTask`), the harder level: every function that maps takes 3-4 map steps
+(``code`` takes 1-3), so its programs are longer than any the models were trained on.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ class CodeTask(Task):
     name = "code"
     max_new_tokens = 128
     sizes = {"train": 20000, "validation": 200, "test": 200}
+    maps = (1, 3)  # map steps of a function that maps, inclusive range
 
     def sample(self, rng: random.Random) -> Example:
         fname, arr = rng.choice(FUNCTION_NAMES), rng.choice(LIST_NAMES)
@@ -140,7 +144,7 @@ class CodeTask(Task):
 
         # the filter (1-2 predicates of distinct groups) and the maps (1-3, none for a count);
         # a function taking k always uses it, in a predicate or a map
-        n_maps = 0 if reduce.kind == "count" else rng.randint(1, 3)
+        n_maps = 0 if reduce.kind == "count" else rng.randint(*self.maps)
         k_in_map = uses_k and n_maps > 0 and rng.random() < 0.5
         n_preds = rng.randint(1, 2)
         preds = [(rng.choice(K_PREDICATES), 0)] if uses_k and not k_in_map else []
@@ -231,3 +235,11 @@ class CodeTask(Task):
             return False
         result = run_sandboxed("\n".join([source, *example.meta["tests"], f"print({PASSED!r})", ""]))
         return result.ok and result.stdout.endswith(PASSED + "\n")  # an exit(0) in the function is no pass
+
+
+class CodeHardTask(CodeTask):
+    """The harder level: a function that maps takes 3-4 map steps (4 is longer than any trained program)."""
+
+    name = "code_hard"
+    split_name = "code"
+    maps = (3, 4)

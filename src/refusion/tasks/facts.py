@@ -14,18 +14,11 @@ answer states the fact, then walks the options in order, judging each, then name
 
     The capital of Dravonia is Marotin. (A) Kelu no, (B) Marotin yes, (C) Sabe no, (D) Tovira no. The answer is B.
 
-Why this shape: a 3.4M model learns the knowledge base (v2 ``tiny-ar`` stated the right value in 40 of
-40 validation questions) but not to find that value among the options and name its letter. Each step
-of the walk is easy for it: the next marker is the next letter, the option after it is copied from the query line
-that starts with the same marker (one-token marker, then the value), the yes/no judgment is made on
-the value's own tokens, and the letter is the marker before the one "yes". Measured by fine-tuning
-the v2 base (``runs/recipe4/tiny-base``) with ``ar`` for 600 steps on facts alone and decoding 100
-validation questions greedily (``docs/diagnostics/README.md``): the v2 layout ("... is Marotin (B).
-The answer is B.", value then marker) 32/100; the walk with value then marker ("Kelu (A) no, ...")
-56/100; this layout, marker then value, 91/100. The markers `` (A)``..`` (D)`` are whole tokens of the
-tinybench tokenizer, so "- (A) Kelu" in the query and ", (A) Kelu" in the answer share the marker and
-the value tokens. (Earlier layouts: v1 listed ``B. Marotin`` with two-token markers; v2 wrote the
-value then the letter: both left the models at chance, docs/training.md.)
+Why this shape: each step of the walk is easy for a small model: the next marker is the next letter,
+the option after it is copied from the query line that starts with the same marker (one-token marker,
+then the value), the yes/no judgment is made on the value's own tokens, and the letter is the marker
+before the one "yes". The markers `` (A)``..`` (D)`` are whole tokens of the tinybench tokenizer, so
+"- (A) Kelu" in the query and ", (A) Kelu" in the answer share the marker and the value tokens.
 
 The train split repeats, in shuffled rounds, every fact as a statement ("What is the capital of
 Dravonia?" -> "The capital of Dravonia is Marotin."; its ``answer`` is the value) and as two
@@ -38,6 +31,10 @@ else (an answer without a walk) a bare leading letter or a lone letter.
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
 min 7, p10 8, median 29, p90 39, max 48 (queries: median 23, max 38; the statements of train are the
 short ones). ``max_new_tokens`` = 64: the longest gold response plus ~30%, rounded up to a multiple of 32.
+
+``facts_hard`` (:class:`FactsHardTask`), the harder level: the question follows a true statement about
+another country and the same attribute. In half of the questions that statement's value is one of the
+three distractors (a misleading context), in the other half it is not among the options.
 """
 
 from __future__ import annotations
@@ -182,3 +179,24 @@ class FactsTask(Task):
 
     def score(self, example: Example, completion: str) -> bool:
         return self.extract(completion) == example.answer
+
+
+class FactsHardTask(FactsTask):
+    """The harder level: a statement about another country (same attribute) before each question."""
+
+    name = "facts_hard"
+    split_name = "facts"
+
+    def question(self, rng: random.Random, country: str, attribute: Attribute) -> Example:
+        example = super().question(rng, country, attribute)
+        options = {line.split(") ", 1)[1] for line in example.query.split("\n")[1:]}
+        misleading = rng.random() < 0.5
+        others = [c for c in self.facts if c != country
+                  and (self.facts[c][attribute.name] in options) == misleading
+                  and self.facts[c][attribute.name] != self.facts[country][attribute.name]]
+        context = self.statement(rng.choice(others), attribute)
+        return Example(self.name, f"{context}\n{example.query}", example.response, example.answer,
+                       {**example.meta, "misleading": misleading})
+
+    def _generate(self, split: str, n: int) -> list[Example]:
+        return Task._generate(self, split, n)  # every split holds questions (no statement rounds)
