@@ -1,5 +1,5 @@
-"""examples/refusion-plugin-example, installed as a user would: its entry point registers a scorer and a
-verifier that `refusion plugins` lists and a decode uses; the example's own tests pass."""
+"""examples/refusion-plugin-example, installed as a user would: its entry point registers a scorer, a
+verifier and an extender that `refusion plugins` lists and a decode uses; the example's own tests pass."""
 
 from __future__ import annotations
 
@@ -35,19 +35,26 @@ def test_refusion_plugins_lists_the_example_parts(installed):
     parts = {(e["kind"], e["name"]): e for e in json.loads(refusion(installed, "plugins", "--json"))}
     assert parts["scorer", "min_prob"]["class"] == "refusion_plugin_example.parts.MinProb"
     assert parts["verifier", "running_product"]["class"] == "refusion_plugin_example.parts.RunningProduct"
+    assert parts["extender", "running_product"]["class"] == "refusion_plugin_example.parts.RunningProductExtender"
     assert "refusion-plugin-example" in parts["scorer", "min_prob"]["origin"]
 
 
 def test_a_decode_uses_them_and_checks_their_options(installed):
     out = json.loads(refusion(installed, "generate", "--model", "tiny-refusion", "--decoder", "refusion",
                               "--set", "scorer=min_prob", "--set", "verifier=running_product",
-                              "--set", "verifier.min_product=0.3", "--set", "gen_length=16",
+                              "--set", "verifier.min_product=0.3", "--set", "extender=running_product",
+                              "--set", "gen_length=16",
                               "--prompt", "What is 2 + 3?", "--json"))
     assert out["token_ids"] and out["stats"]["nfe"] >= 1
     bad = subprocess.run([sys.executable, "-m", "refusion.cli", "generate", "--model", "tiny-refusion", "--decoder", "refusion",
                           "--set", "verifier=running_product", "--set", "verifier.min_product=2",
                           "--prompt", "x"], env=installed, capture_output=True, text=True)
     assert bad.returncode == 2 and "min_product" in bad.stderr
+    # the default extender takes its threshold from the verifier: one without a token_threshold needs another
+    alone = subprocess.run([sys.executable, "-m", "refusion.cli", "generate", "--model", "tiny-refusion",
+                            "--decoder", "refusion", "--set", "verifier=running_product", "--prompt", "x"],
+                           env=installed, capture_output=True, text=True)
+    assert alone.returncode == 2 and "extender.token_threshold" in alone.stderr
 
 
 def test_the_examples_own_tests_pass(installed):

@@ -18,6 +18,8 @@ from refusion.core.config import ConfigError, apply_overrides, dump_config, load
         ({"decoder": "refusion", "gen_length": 24, "slot_size": 4, "serial_blocks": 4}, "serial_blocks=4 must divide"),
         ({"gen_length": 24}, "decoder: missing"),
         ({"decoder": "ar", "scorer": "mean_prob"}, "scorer: unknown field"),
+        ({"decoder": "refusion", "extender": {"token_threshold": 2}}, "extender.token_threshold"),
+        ({"decoder": "ar", "extender": "prefix"}, "extender: unknown field"),
     ],
 )
 def test_invalid_config_names_the_field(cfg, field):
@@ -64,3 +66,13 @@ def test_a_config_from_standard_input(monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("- a list\n"))
     with pytest.raises(ConfigError, match="standard input must hold a mapping"):
         load_config_file("-")
+
+
+def test_the_extender_takes_the_verifiers_threshold_unless_it_has_its_own():
+    _, _, parts = validate_config({"decoder": "refusion", "verifier": {"token_threshold": 0.3}})
+    assert type(parts["extender"]).__name__ == "PrefixExtender" and parts["extender"].options.token_threshold == 0.3
+    assert validate_config({"decoder": "refusion"})[2]["extender"].options.token_threshold == 0.9
+    _, opts, parts = validate_config({"decoder": "refusion", "verifier": {"token_threshold": 0.3},
+                                      "extender": {"token_threshold": 0.6}})
+    assert parts["verifier"].options.token_threshold == 0.3 and parts["extender"].options.token_threshold == 0.6
+    assert dump_config("refusion", opts)["extender"] == {"name": "prefix", "token_threshold": 0.6}

@@ -25,6 +25,7 @@ def test_builtins_registered_with_origin():
     assert {"refusion", "ar"} <= set(reg.names("decoder"))
     assert {"first_token_prob", "mean_prob", "mean_neg_entropy", "margin"} <= set(reg.names("scorer"))
     assert {"kv_concat", "kv_recompute"} <= set(reg.names("cache"))
+    assert reg.names("verifier") == ["prefix"] and reg.names("extender") == ["prefix"]
     origins = {e.origin for e in reg.entries("scorer")}
     assert origins == {"builtin refusion.plugins.scorers"}
 
@@ -111,11 +112,16 @@ def test_a_class_registered_under_the_wrong_kind_is_refused_naming_the_interface
 
 
 def test_a_part_that_leaves_an_abstract_method_unimplemented_cannot_be_built():
-    from refusion.core.interfaces import Verifier
+    from refusion.core.interfaces import Extender, Verifier
 
-    class HalfVerifier(Verifier):
-        def verify(self, draft_probs, ar_probs, valid=None):
-            raise NotImplementedError
+    class NoVerify(Verifier):
+        pass
 
+    class BindOnly(Extender):
+        def bind(self, verifier):
+            return self
+
+    with pytest.raises(TypeError, match="verify"):
+        NoVerify()
     with pytest.raises(TypeError, match="extend"):
-        HalfVerifier()
+        BindOnly()

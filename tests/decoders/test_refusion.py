@@ -67,9 +67,7 @@ def test_partial_acceptance_returns_other_chosen_slots(backbone):
     ar = torch.tensor([[1.0, 0.9, 0.9, 0.9], [1.0, 0.9, 0.1, 0.9], [1.0, 0.9, 0.9, 0.9]])
     verdict = v.verify(torch.ones(3, 4), ar)
     assert verdict.prefix_len == 6 and verdict.accepted_slots == 1
-    assert verdict.passed[:, 0].all()
-    tags = v.extend(torch.tensor([[1.0, 0.1, 0.9, 0.1]]), torch.tensor([[True, False, False, False]]))
-    assert tags.tolist() == [[True, True, True, False]]  # predecessor verified -> passes; then prob rule
+    assert verdict.passed[:, 0].all()  # Stage II-b's round: tests/plugins/test_extenders.py
 
 
 @pytest.mark.parametrize("tt", [0.0, 1.0])

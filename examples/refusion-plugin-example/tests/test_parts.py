@@ -3,7 +3,7 @@
 import torch
 
 from refusion.core.types import Proposal
-from refusion_plugin_example.parts import MinProb, RunningProduct
+from refusion_plugin_example.parts import MinProb, RunningProduct, RunningProductExtender
 
 
 def test_min_prob_ignores_padding():
@@ -20,3 +20,11 @@ def test_running_product_accepts_while_the_product_holds():
     verdict = verifier.verify(torch.ones(2, 4), ar)
     assert verdict.passed.tolist() == [[True, True, True, False], [True, True, True, True]]
     assert int(verdict.prefix_len) == 3 and int(verdict.accepted_slots) == 0
+
+
+def test_running_product_extender_gains_a_token_per_round_and_takes_the_verifiers_bound():
+    extender = RunningProductExtender().bind(RunningProduct(RunningProduct.Options(min_product=0.5)))
+    assert extender.options.min_product == 0.5
+    ar = torch.tensor([[1.0, 0.9, 0.8, 0.5], [1.0, 0.1, 0.9, 0.9]])  # row 0: products 0.9, 0.72, 0.36
+    verified = torch.tensor([[True, False, False, False], [True, False, False, False]])
+    assert extender.extend(ar, verified).tolist() == [[True, True, True, False], [True, True, False, False]]

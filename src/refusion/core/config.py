@@ -2,8 +2,8 @@
 
 A config is a flat mapping: ``decoder`` names a registered decoder, the other top-level keys are that
 decoder's options. Options whose field name is a part kind (``scorer``, ``drafter``, ``selector``,
-``verifier``, ``cache``) name a registered part, either as a bare string or as a mapping with ``name``
-plus that part's own options::
+``verifier``, ``extender``, ``cache``, ``remasker``) name a registered part, either as a bare string or as a
+mapping with ``name`` plus that part's own options::
 
     decoder: refusion
     gen_length: 256
@@ -12,7 +12,9 @@ plus that part's own options::
     selector: {name: threshold, slot_threshold: 0.9}
     verifier: {name: prefix, token_threshold: 0.4}
 
-Every level rejects unknown fields, and errors name the field (``selector.slot_threshold``).
+Every level rejects unknown fields, and errors name the field (``selector.slot_threshold``). An extender
+is bound to the verifier beside it (:meth:`~refusion.core.interfaces.Extender.bind`): the default ``prefix``
+extender takes the verifier's ``token_threshold`` unless given its own.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def validate_config(config: dict[str, Any], registry: Registry | None = None) ->
         except ValidationError as e:
             raise ConfigError(f"invalid {dec_cls.name} config: {_format(e, kind)}") from None
         parts[kind] = part_cls(part_opts)
+    if "extender" in parts and "verifier" in parts:  # Stage II-b runs beside Stage II-a's verifier
+        try:
+            parts["extender"] = parts["extender"].bind(parts["verifier"])
+        except ValueError as e:
+            raise ConfigError(f"extender: {e}") from None
     return dec_cls, options, parts
 
 

@@ -49,6 +49,11 @@ def register_verifiers(register: Register) -> None:
 
 
 @hookspec
+def register_extenders(register: Register) -> None:
+    """Register Stage II-b extenders (subclasses of :class:`refusion.core.interfaces.Extender`)."""
+
+
+@hookspec
 def register_caches(register: Register) -> None:
     """Register cache managers (subclasses of :class:`refusion.core.interfaces.CacheManager`)."""
 

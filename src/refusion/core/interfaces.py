@@ -118,11 +118,23 @@ class Verifier(Part):
         marks real positions when slots differ in size (padding at the end of a row; None = all real).
         """
 
+
+class Extender(Part):
+    """Stage II-b: one verification round over rows completed in parallel. Pure functions of tensors."""
+
+    kind = "extender"
+
+    def bind(self, verifier: Verifier) -> "Extender":
+        """This extender as it runs beside ``verifier`` (called once, when a config is validated): an extender
+        may take what its options leave unset from the verifier's. Default: ``self``. Raises ValueError,
+        naming the option to set, when it cannot run beside ``verifier``."""
+        return self
+
     @abstractmethod
     def extend(self, ar_probs: Tensor, verified: Tensor) -> Tensor:
-        """Stage II-b round: ``ar_probs [S, m]`` of filled tokens, ``verified [S, m]`` bool before the round
-        -> ``[S, m]`` bool verified after the round (a prefix per row; gains at least one token per row
-        that still has an unverified token)."""
+        """``ar_probs [S, m]``: causal probability of each filled token; ``verified [S, m]`` bool before the
+        round (a prefix per row, column 0 verified) -> ``[S, m]`` bool verified after the round: a prefix per
+        row that keeps every verified token and gains at least one per row that still has an unverified one."""
 
 
 class CacheManager(Part):

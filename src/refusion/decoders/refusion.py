@@ -13,7 +13,7 @@ positions. Per iteration, on the pool of the block's still-masked slots (in posi
                forward is exact); the other chosen slots go back to the pool
     Stage II-b if no whole slot passed: complete ALL chosen slots in parallel, one cache row each, in
                rounds of predict ([MASK] at unverified tokens, argmax) + verify (causal forward,
-               verifier.extend); the cache manager merges the rows' KV (kv_concat / kv_recompute)
+               extender); the cache manager merges the rows' KV (kv_concat / kv_recompute)
 
 Committed slots are appended to the buffer, ahead of the remaining masks, with their original position
 ids; the output is the committed tokens sorted by position. Variants, each off by default and chosen
@@ -82,6 +82,7 @@ class RefusionOptions(DecoderOptions):
     drafter: PartSpec = PartSpec(name="gumbel")
     selector: PartSpec = PartSpec(name="threshold")
     verifier: PartSpec = PartSpec(name="prefix")
+    extender: PartSpec = PartSpec(name="prefix")
     cache: PartSpec = PartSpec(name="kv_concat")
     remasker: PartSpec = PartSpec(name="none")
 
@@ -279,7 +280,7 @@ class RefusionDecoder(Decoder):
             logits = yield ForwardRequest(cache, window, positions[:, kept:], logits_at=slice(0, m - 1))  # [S, m-1, V]
             norm = row_logsumexp(logits)  # [S, m-1]
             probs = next_token_probs(logits, window, norm)  # [S, m]
-            after = self.parts["verifier"].extend(probs, before) | ~valid[:, kept:]
+            after = self.parts["extender"].extend(probs, before) | ~valid[:, kept:]
             if self.options.correct:
                 after = self._correct(window, logits, before, after, valid[:, kept:])
                 probs = next_token_probs(logits, window, norm)  # a corrected token's own AR prob

@@ -3,11 +3,8 @@
 Stage II-a: the chosen drafts are concatenated in position order and verified by one causal forward. A
 token passes when its causal probability exceeds ``token_threshold``; the first token of every slot
 keeps its Stage-I probability and always passes. The accepted prefix is the longest all-pass run from
-the start of the concatenation; only whole slots of it are accepted (``prefix_len // k``).
-
-Stage II-b: in each round a token passes when its causal probability exceeds the threshold or its
-predecessor was already verified before the round; verified = cumulative product of passes. So every
-row with unverified tokens gains at least one token per round.
+the start of the concatenation; only whole slots of it are accepted (``prefix_len // k``). Stage II-b's
+rounds are the extender's (:mod:`refusion.plugins.extenders`), which takes this ``token_threshold`` by default.
 """
 
 from __future__ import annotations
@@ -32,11 +29,6 @@ class PrefixVerifier(Verifier):
         run = torch.cumprod(passed.flatten().int(), 0).view_as(passed).bool()  # [S, k] inside the prefix
         accepted = torch.cumprod(run.all(dim=1).int(), 0).sum()  # []
         return Verdict(passed=passed & valid, prefix_len=(run & valid).sum(), accepted_slots=accepted)
-
-    def extend(self, ar_probs: Tensor, verified: Tensor) -> Tensor:
-        predecessor = torch.nn.functional.pad(verified, (1, 0), value=True)[:, :-1]  # [S, m]
-        passes = (ar_probs > self.options.token_threshold) | predecessor
-        return torch.cumprod(passes.int(), dim=-1).bool()
 
 
 @hookimpl
