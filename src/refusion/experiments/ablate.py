@@ -153,7 +153,7 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from refusion.tasks import TASKS
+    from refusion.tasks import chance_accuracy
 
     tasks = sorted({r["task"] for r in rows})
     swept = spec.x in rows[0] and spec.x not in ("tpf", "tokens_per_second", "nfe_mean", "accuracy", "latency_s_mean")
@@ -185,7 +185,7 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
         ax.set(title=task, xlabel=spec.x, ylabel=spec.y + (" %" if spec.y == "accuracy" else ""))
         if spec.y == "accuracy":  # the full scale, so that 0% vs 5% does not look like a trend
             ax.set_ylim(-3, 103)
-            guess = TASKS[task].chance_accuracy if task in TASKS else 0.0
+            guess = chance_accuracy(task)
             if guess:
                 ax.axhline(100 * guess, ls=":", color="gray")
                 ax.annotate("chance", (0.01, 100 * guess), xycoords=("axes fraction", "data"), fontsize=7,

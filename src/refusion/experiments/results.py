@@ -118,9 +118,9 @@ def _pct(v: float) -> str:
 
 def chance(task: str) -> float:
     """The accuracy of guessing on ``task`` (0 for a task this package does not know)."""
-    from refusion.tasks import TASKS
+    from refusion.tasks import chance_accuracy
 
-    return TASKS[task].chance_accuracy if task in TASKS else 0.0
+    return chance_accuracy(task)
 
 
 def at_chance(task: str, runs: dict[str, dict[str, Any]]) -> bool:

@@ -20,7 +20,7 @@ from refusion.tasks.facts import FactsHardTask, FactsTask
 TASKS: dict[str, Task] = {task.name: task for task in (ArithTask(), CodeTask(), FactsTask())}
 HARD_TASKS: dict[str, Task] = {task.name: task for task in (ArithHardTask(), CodeHardTask(), FactsHardTask())}
 
-__all__ = ["HARD_TASKS", "SPLITS", "TASKS", "Example", "Task", "corpus", "export_json", "get_task", "split_of"]
+__all__ = ["HARD_TASKS", "SPLITS", "TASKS", "Example", "Task", "chance_accuracy", "corpus", "export_json", "get_task", "split_of"]
 
 
 def get_task(name: str) -> Task:
@@ -28,6 +28,12 @@ def get_task(name: str) -> Task:
     if task is None:
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join([*TASKS, *HARD_TASKS])}")
     return task
+
+
+def chance_accuracy(name: str) -> float:
+    """The accuracy of guessing on a task (0 for a name that is not a tinybench task)."""
+    task = TASKS.get(name) or HARD_TASKS.get(name)
+    return task.chance_accuracy if task else 0.0
 
 
 def export_json(path: str | os.PathLike, tasks: list[str], split: str, n: int | None = None) -> int:

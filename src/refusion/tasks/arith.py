@@ -21,7 +21,7 @@ add 2-9 to 4-29, differences take 2-9 from 12-39; totals stay below 180. Scoring
 integer after ``####``.
 
 ``arith_hard`` (:class:`ArithHardTask`), the harder level: always 4 parts, and a sum or difference
-adds or takes 2-12 instead of 2-9, so some parts carry two two-digit operands, which the models were
+adds or takes 2-11 instead of 2-9, so some parts carry two two-digit operands, which the models were
 not trained on.
 
 Response length in tokens of the shipped tokenizer (``python -m refusion.tasks``, all splits):
@@ -98,10 +98,10 @@ class ArithTask(Task):
 
 
 class ArithHardTask(ArithTask):
-    """The harder level: 4 parts, sums and differences with 2-12."""
+    """The harder level: 4 parts, sums and differences with 2-11."""
 
     name = "arith_hard"
     split_name = "arith"
     sizes = {"train": 0, "validation": 200, "test": 200}
     parts = (4, 4)
-    step_max = 12
+    step_max = 11
