@@ -1,4 +1,5 @@
-"""The ``refusion`` command line: generate, plugins, bench, batch-bench, profile, ablate, results, train, eval."""
+"""The ``refusion`` command line: generate, plugins, bench, batch-bench, profile, trace, ablate, results, train, eval,
+eval-table."""
 
 from __future__ import annotations
 
