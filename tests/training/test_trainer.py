@@ -93,7 +93,7 @@ def test_token_budget_batches(char_tokenizer, pairs, tmp_path):
     t = _trainer(char_tokenizer, pairs, tmp_path, "ar", max_tokens=120)
     longest = max(len(p) + len(r) for p, r in pairs)
     for _ in range(8):
-        b = t.next_batch()
+        b = t.make_batch(t.next_indices())
         assert 1 <= b.n_examples <= 3
         assert b.n_examples == 1 or b.input_ids.numel() <= 120 or b.input_ids.shape[1] <= longest
 

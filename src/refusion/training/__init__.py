@@ -3,7 +3,9 @@
 - :class:`~refusion.core.objective.Objective` / :class:`~refusion.core.objective.Batch`: the
   objective interface; built-ins live in :mod:`refusion.plugins.objectives` (registered via the hook);
 - :mod:`refusion.training.data`: ``load_pairs(data, tokenizer, split)`` -> ``[(prompt_ids, response_ids)]``;
-- :class:`~refusion.training.trainer.Trainer` / :class:`~refusion.training.trainer.TrainConfig`;
+- :class:`~refusion.training.trainer.Trainer` / :class:`~refusion.training.trainer.TrainConfig`: the one
+  training loop, in one process (:class:`~refusion.training.trainer.LocalRuntime`) or over accelerate's
+  (:mod:`refusion.training.distributed`: DDP, FSDP2, DeepSpeed);
 - :mod:`refusion.training.recipe`: the controlled pretrain + fine-tune recipe behind ``tiny-*``;
 - :mod:`refusion.training.cli`: ``refusion train``.
 """

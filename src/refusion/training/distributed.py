@@ -10,19 +10,19 @@
         --max-length 4096 --chat-template --gradient-checkpointing
     # the same paths on 2 CPU processes (gloo): fsdp2_cpu2.yaml, deepspeed_zero2_cpu2.yaml, deepspeed_zero3_cpu2.yaml
 
-:class:`DistributedTrainer` runs the same optimisation as :class:`~refusion.training.trainer.Trainer`
-(AdamW with decay / no-decay groups, warmup + cosine schedule, grad clipping, the objective's batches),
-with ``batch_size`` the GLOBAL batch: every rank draws the same global batch of example indices from the
-shared seeded sampler, keeps its share (indices ``rank::world``), and splits it into ``grad_accum``
-micro-batches of ``batch_size / (world x grad_accum)`` examples (``Accelerator(gradient_accumulation_steps=
-grad_accum)``; inside ``accelerator.accumulate`` gradients are synchronised and the optimizer steps on the last
-one only). The model, optimizer and gradient clipping go through ``accelerate`` (``Accelerator.prepare``), so
-the accelerate config decides DDP / FSDP / DeepSpeed and mixed precision (``--mixed-precision bf16``). The
-learning-rate schedule is built on the optimizer ``prepare`` returns (under ZeRO its param groups are the
-sharded optimizer's) and stepped once per optimizer step by this loop (not by accelerate, which would step it
-once per process). Under DeepSpeed no dataloader goes through ``prepare``: the micro-batch
-(``train_micro_batch_size_per_gpu``), the global batch, the accumulation steps and the clipping are written
-into the DeepSpeed config before it (:func:`configure_deepspeed`); a config that says otherwise is refused.
+:class:`AccelerateRuntime` runs the one training loop, :class:`~refusion.training.trainer.Trainer` (AdamW
+with decay / no-decay groups, warmup + cosine schedule, grad clipping, the objective's batches; ``batch_size``
+the GLOBAL batch, each rank's share cut into ``grad_accum`` micro-batches of ``batch_size / (world x
+grad_accum)`` examples), over the processes of an accelerator (:class:`DistributedTrainer` is that
+pairing). ``Accelerator(gradient_accumulation_steps=grad_accum)``: inside ``accelerator.accumulate`` gradients
+are synchronised and the optimizer steps on the last micro-batch only. The model, optimizer and gradient
+clipping go through ``accelerate`` (``Accelerator.prepare``), so the accelerate config decides DDP / FSDP /
+DeepSpeed and mixed precision (``--mixed-precision bf16``). The learning-rate schedule is built on the
+optimizer ``prepare`` returns (under ZeRO its param groups are the sharded optimizer's) and stepped once per
+optimizer step by the loop (not by accelerate, which would step it once per process). Under DeepSpeed no
+dataloader goes through ``prepare``: the micro-batch (``train_micro_batch_size_per_gpu``), the global batch,
+the accumulation steps and the clipping are written into the DeepSpeed config before it
+(:func:`configure_deepspeed`); a config that says otherwise is refused.
 
 Start-up at scale (:func:`main`): weights are loaded once, in their stored dtype (``config.json``), straight to
 where they train (:func:`load_for_training`): under FSDP with ``fsdp_cpu_ram_efficient_loading`` only the
@@ -35,12 +35,12 @@ max length and prompt layout reuses the store. The process group is joined with 
 (``--dist-timeout``, minutes) because the ranks wait at a barrier while the main process tokenises.
 
 Objective noise (masking ratios, slot orders) comes from a per-rank generator seeded ``seed + 1 + rank *
-1000003``; with one process this loop reproduces ``Trainer`` exactly. With several, the gradient is the
+1000003``; with one process the steps are those of the local runtime. With several, the gradient is the
 mean of the ranks' gradients: equal to the single-process gradient of the same global batch for losses
 normalised per example (the diffusion losses), and close to it for token-mean losses (AR) whose shards
 hold different token counts.
 
-Files in ``out_dir``: ``train_log.jsonl`` (rank 0; loss averaged over ranks), ``accelerate_state/`` and
+Files in ``out_dir``: ``train_log.jsonl`` (rank 0; metrics averaged over ranks), ``accelerate_state/`` and
 ``dist_state_rank{r}.pt`` (resumable: ``--resume``), ``tokenized/`` (the token store), and the final Hugging
 Face folder (bf16 safetensors, written by rank 0 from the gathered state dict). ``summary["param_spread"]`` is
 the largest difference of a parameter checksum between ranks (0 when DDP kept them synchronised; None under
@@ -55,21 +55,16 @@ import json
 import math
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from refusion.core.machine import machine
+from refusion.core.objective import Objective, Pair
 from refusion.models.build import record_objective
 from refusion.models.loading import save_tokenizer
-from refusion.core.objective import Batch, Objective, Pair
-from refusion.training.data import pair_length_fn
-from refusion.training.trainer import (
-    LOG_FILE, TrainConfig, _Sampler, build_optimizer, init_run, lr_lambda, validation_batch,
-)
+from refusion.training.trainer import Runtime, TrainConfig, Trainer, build_optimizer, lr_lambda
 
 ACCEL_STATE_DIR = "accelerate_state"
 STORE_DIR = "tokenized"
@@ -171,8 +166,104 @@ def configure_deepspeed(acc: Any, config: TrainConfig, grad_accum: int) -> dict[
     return cfg
 
 
-class DistributedTrainer:
-    """Train ``model`` with ``objective`` on ``train_pairs`` over the processes of ``accelerator``."""
+class AccelerateRuntime(Runtime):
+    """:class:`~refusion.training.trainer.Trainer`'s steps over the processes of an ``accelerate``
+    ``Accelerator``: the model and optimizer go through ``prepare`` (after :func:`configure_deepspeed`), the
+    schedule is built on the optimizer ``prepare`` returns and registered for checkpointing; backward, clipping,
+    accumulation and autocast are the accelerator's. State: ``accelerate_state/`` (model, optimizer, schedule,
+    RNG) and ``dist_state_rank{r}.pt`` (the loop's, per rank); the final model is written by the main process
+    from the gathered state dict."""
+
+    def __init__(self, accelerator: Any = None) -> None:
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.accelerator = acc = accelerator
+        self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
+        self.grad_accum = int(acc.gradient_accumulation_steps)  # Accelerator(gradient_accumulation_steps=...)
+        self.device = acc.device
+
+    def setup(self, model, config):
+        acc = self.accelerator
+        configure_deepspeed(acc, config, self.grad_accum)
+        model, optimizer = acc.prepare(model, build_optimizer(model, config))
+        # The schedule is built on the optimizer prepare returned (FSDP replaces the parameters; under ZeRO
+        # the inner object is DeepSpeed's, not a torch optimizer) and stepped by the loop, once per step
+        # (not by accelerate, which would step it once per process).
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+        acc.register_for_checkpointing(scheduler)
+        return model, optimizer, scheduler
+
+    def accumulate(self, model):
+        return self.accelerator.accumulate(model)  # no gradient sync and no optimizer step until the last
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    @property
+    def sync_gradients(self) -> bool:
+        return bool(self.accelerator.sync_gradients)
+
+    def backward(self, loss):
+        self.accelerator.backward(loss)  # divided by grad_accum here (DeepSpeed: by its engine)
+
+    def clip_grad_norm(self, model, max_norm):
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed: None (its config clips)
+        return None if norm is None else float(norm)
+
+    def reduce_sum(self, values):
+        return self.accelerator.reduce(values, "sum")
+
+    def log_fields(self):
+        return {"processes": self.world}
+
+    def save_state(self, trainer, state):
+        trainer.out_dir.mkdir(parents=True, exist_ok=True)
+        self.accelerator.save_state(str(trainer.out_dir / ACCEL_STATE_DIR))
+        torch.save({**state, "world": self.world}, trainer.out_dir / rank_state_file(self.rank))
+        self.accelerator.wait_for_everyone()
+
+    def read_state(self, out_dir):
+        path = out_dir / rank_state_file(self.rank)
+        if not path.is_file() or not (out_dir / ACCEL_STATE_DIR).is_dir():
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state["world"] != self.world:
+            raise ValueError(f"{path} was written by {state['world']} processes, not {self.world}")
+        return state
+
+    def restore_state(self, trainer, state):
+        self.accelerator.load_state(str(trainer.out_dir / ACCEL_STATE_DIR))
+
+    def save_final(self, trainer):
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        state = acc.get_state_dict(trainer.model)  # FSDP / DeepSpeed: gathered on the main process
+        if acc.is_main_process:
+            model = acc.unwrap_model(trainer.model)
+            record_objective(model.config, trainer.objective)
+            state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
+            model.save_pretrained(trainer.final_dir, state_dict=state, safe_serialization=True)
+            save_tokenizer(trainer.tokenizer, trainer.final_dir)
+        acc.wait_for_everyone()
+
+    def param_spread(self, model: torch.nn.Module) -> float | None:
+        """Largest difference between ranks of a float64 checksum of the parameters (0: synchronised);
+        None when the parameters are sharded (FSDP, DeepSpeed), where ranks hold different pieces."""
+        if distributed_kind(self.accelerator) not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+            return None
+        total = sum(p.detach().double().sum() for p in model.parameters()).to(self.device)
+        sums = self.accelerator.gather(total.reshape(1))
+        return float(sums.max() - sums.min())
+
+    def summary(self, trainer):
+        return {"processes": self.world, "grad_accum": self.grad_accum, "param_spread": self.param_spread(trainer.model)}
+
+
+class DistributedTrainer(Trainer):
+    """:class:`~refusion.training.trainer.Trainer` over the processes of ``accelerator`` (None: a plain
+    ``Accelerator``, on the CPU when there is no GPU)."""
 
     def __init__(
         self,
@@ -186,155 +277,9 @@ class DistributedTrainer:
         val_pairs: Sequence[Pair] | None = None,
         final_dir: str | Path | None = None,
     ) -> None:
-        from accelerate import Accelerator
-
-        if config.max_tokens is not None or config.group_by_length:
-            raise ValueError("distributed training batches by example count: max_tokens / group_by_length are not supported")
-        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-        acc = self.accelerator
-        self.rank, self.world = acc.process_index, acc.num_processes
-        grad_accum = int(acc.gradient_accumulation_steps)  # Accelerator(gradient_accumulation_steps=...)
-        if grad_accum < 1 or config.batch_size % (self.world * grad_accum):
-            raise ValueError(
-                f"the global batch_size ({config.batch_size}) must be a multiple of processes x grad_accum "
-                f"({self.world} x {grad_accum})"
-            )
-        self.grad_accum = grad_accum
-        init_run(self, model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir, self.rank)
-        self.sampler = _Sampler(len(train_pairs), self.data_gen)
-        configure_deepspeed(acc, config, grad_accum)
-        self.model, self.optimizer = acc.prepare(model, build_optimizer(model, config))
-        # The schedule is built on the optimizer prepare returned (FSDP replaces the parameters; under ZeRO
-        # the inner object is DeepSpeed's, not a torch optimizer) and stepped by this loop.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
-        acc.register_for_checkpointing(self.scheduler)
-        self._val_batch: Batch | None = None
-
-    # -- state ------------------------------------------------------------------------------
-    def save_state(self) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.accelerator.save_state(str(self.out_dir / ACCEL_STATE_DIR))
-        torch.save({"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
-                    "data_gen": self.data_gen.get_state(), "noise_gen": self.noise_gen.get_state(),
-                    "world": self.world, "config": self.config.model_dump()},
-                   self.out_dir / rank_state_file(self.rank))
-        self.accelerator.wait_for_everyone()
-
-    def load_state(self) -> bool:
-        path = self.out_dir / rank_state_file(self.rank)
-        if not path.is_file() or not (self.out_dir / ACCEL_STATE_DIR).is_dir():
-            return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state["world"] != self.world:
-            raise ValueError(f"{path} was written by {state['world']} processes, not {self.world}")
-        self.accelerator.load_state(str(self.out_dir / ACCEL_STATE_DIR))
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.data_gen.set_state(state["data_gen"])
-        self.noise_gen.set_state(state["noise_gen"])
-        return True
-
-    def _log(self, record: dict) -> None:
-        if self.accelerator.is_main_process:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.out_dir / LOG_FILE, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-
-    # -- steps ------------------------------------------------------------------------------
-    def shard(self, indices: list[int]) -> list[list[int]]:
-        """This rank's share of a global batch, cut into ``grad_accum`` micro-batches."""
-        mine = indices[self.rank :: self.world]
-        return [mine[j :: self.grad_accum] for j in range(self.grad_accum)]
-
-    def evaluate(self) -> dict[str, float]:
-        """Loss (and masked_acc / acc) on a fixed validation batch, the same on every rank."""
-        if not self.val_pairs:
-            return {}
-        if self._val_batch is None:
-            self._val_batch = validation_batch(self.objective, self.val_pairs, self.config)
-        self.model.eval()
-        with torch.no_grad(), self.accelerator.autocast():
-            _, metrics = self.objective.loss(self.model, self._val_batch.to(self.accelerator.device))
-        self.model.train()
-        return metrics
-
-    def param_spread(self) -> float | None:
-        """Largest difference between ranks of a float64 checksum of the parameters (0: synchronised);
-        None when the parameters are sharded (FSDP, DeepSpeed), where ranks hold different pieces."""
-        if distributed_kind(self.accelerator) not in ("NO", "MULTI_CPU", "MULTI_GPU"):
-            return None
-        total = sum(p.detach().double().sum() for p in self.model.parameters()).to(self.accelerator.device)
-        sums = self.accelerator.gather(total.reshape(1))
-        return float(sums.max() - sums.min())
-
-    def train(self, resume: bool = False, stop_at: int | None = None) -> dict[str, Any]:
-        cfg, acc = self.config, self.accelerator
-        if not (resume and self.load_state()) and acc.is_main_process and (self.out_dir / LOG_FILE).exists():
-            (self.out_dir / LOG_FILE).unlink()
-        end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-        if self.step < end:
-            self._log({"kind": "start", "step": self.step, "machine": machine(), "processes": self.world})
-        self.model.train()
-        length = pair_length_fn(self.train_pairs)
-        t0, last, last_eval = time.perf_counter(), {}, {}
-        while self.step < end:
-            idx = self.sampler.next_batch(cfg.batch_size, None, length)
-            micro = self.shard(idx)
-            sums: dict[str, float] = {}
-            lr = self.scheduler.get_last_lr()[0]
-            for part in micro:  # accelerate's accumulate(): no gradient sync and no optimizer step until the last
-                batch = self.objective.make_batch([self.train_pairs[i] for i in part], self.noise_gen).to(acc.device)
-                with acc.accumulate(self.model), acc.autocast():
-                    loss, metrics = self.objective.loss(self.model, batch)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"rank {self.rank}: non-finite loss {loss.item()} at step {self.step + 1}")
-                    acc.backward(loss)  # divided by grad_accum here (DeepSpeed: by its engine)
-                    if acc.sync_gradients and cfg.grad_clip and cfg.grad_clip > 0:
-                        norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)  # DeepSpeed: None (its config clips)
-                        if norm is not None:
-                            sums["grad_norm"] = float(norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                self.tokens_seen += batch.num_tokens * self.world
-                for k, v in metrics.items():
-                    if isinstance(v, float) and not math.isnan(v):
-                        sums[k] = sums.get(k, 0.0) + v / len(micro)
-            self.scheduler.step()
-            self.step += 1
-            keys = sorted(sums)
-            mean = acc.reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=acc.device), "mean")
-            last = {k: float(v) for k, v in zip(keys, mean.tolist())}
-            if self.step % cfg.log_every == 0 or self.step == end:
-                self._log({"kind": "train", "step": self.step, "lr": lr, **last, "tokens": self.tokens_seen,
-                           "processes": self.world, "elapsed": round(time.perf_counter() - t0, 2)})
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps and self.val_pairs:
-                last_eval = self.evaluate()
-                self._log({"kind": "eval", "step": self.step, **last_eval})
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < end:
-                self.save_state()
-        self.save_state()
-        finished = self.step >= cfg.steps
-        if finished:
-            if self.val_pairs:
-                last_eval = self.evaluate()
-                self._log({"kind": "eval", "step": self.step, **last_eval})
-            self.save_final()
-        return {"objective": self.objective.name, "steps": self.step, "finished": finished, "train": last,
-                "eval": last_eval, "tokens": self.tokens_seen, "processes": self.world, "grad_accum": self.grad_accum,
-                "param_spread": self.param_spread(), "wall_s": round(time.perf_counter() - t0, 2)}
-
-    def save_final(self) -> None:
-        """The final Hugging Face folder (bf16 safetensors + tokenizer), from the gathered state dict."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        state = acc.get_state_dict(self.model)  # FSDP / DeepSpeed: gathered on the main process
-        if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            record_objective(model.config, self.objective)
-            state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
-            model.save_pretrained(self.final_dir, state_dict=state, safe_serialization=True)
-            save_tokenizer(self.tokenizer, self.final_dir)
-        acc.wait_for_everyone()
+        super().__init__(model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir,
+                         runtime=AccelerateRuntime(accelerator))
+        self.accelerator = self.runtime.accelerator
 
 
 # ------------------------------------------------------------------------------ start-up at scale
