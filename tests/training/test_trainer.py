@@ -217,3 +217,24 @@ def test_cli_rejects_an_absent_device(char_tokenizer, tmp_path, monkeypatch):
                               "--device", "cuda", "--no-progress"])
     with pytest.raises(SystemExit, match="2"):
         args.func(args)
+
+
+def test_a_split_batch_is_cut_by_example_count(char_tokenizer, pairs, tmp_path):
+    """A runtime that splits the global batch (processes x micro-batches) needs a multiple of its shards
+    and refuses token budgets and length grouping; each process keeps its strided share."""
+    from refusion.training.trainer import LocalRuntime
+
+    class TwoMicroBatches(LocalRuntime):
+        grad_accum = 2
+
+    obj = OBJECTIVES["ar"].from_tokenizer(char_tokenizer)
+    make = lambda **cfg: Trainer(build_model(char_tokenizer, "micro"), char_tokenizer, obj, pairs,  # noqa: E731
+                                 TrainConfig(progress=False, **cfg), tmp_path, runtime=TwoMicroBatches())
+    with pytest.raises(ValueError, match=r"multiple of processes x grad_accum \(1 x 2\)"):
+        make(batch_size=3)
+    with pytest.raises(ValueError, match="max_tokens / group_by_length are not supported"):
+        make(batch_size=4, group_by_length=2)
+    t = make(batch_size=4, steps=2, log_every=1)
+    assert t.shard([5, 1, 4, 0]) == [[5, 4], [1, 0]]
+    summary = t.train()
+    assert summary["steps"] == 2 and [r["batch_size"] for r in read_log(tmp_path) if r["kind"] == "train"] == [4, 4]
