@@ -63,10 +63,6 @@ class Batch:
             return int(self.attention_mask.sum())
         return int(self.meta.get("n_tokens", self.input_ids.numel()))
 
-    @property
-    def padded_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
 
 class Objective(ABC):
     """A training objective: batch layout + loss. Subclasses set ``name``, ``attention``, ``Options``."""

@@ -30,10 +30,6 @@ class Proposal:
         """``[S, k]`` bool: True at real (non-padding) positions. Position 0 of every slot is real."""
         return self.valid if self.valid is not None else torch.ones_like(self.token_ids, dtype=torch.bool)
 
-    @property
-    def num_slots(self) -> int:
-        return int(self.token_ids.shape[0])
-
 
 @dataclass
 class Verdict:

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
 QWEN_EOS = (151643, 151645)  # <|endoftext|>, <|im_end|>
 REFUSION_MASK_ID = 151670  # <|mask|>
-REFUSION_BOS_ID = 151669  # <|beginoftext|>
 LLADA_MASK_ID = 126336
 LLADA_EOS = (126081, 126348)  # <|endoftext|> (EOS), <|eot_id|> (EoT)
 DREAM_MASK_ID = 151666

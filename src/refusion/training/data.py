@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from refusion.core.objective import Pair
 
@@ -197,31 +197,8 @@ class PairStore(Sequence):
         ids = self.tokens[start : start + p + r].tolist()
         return ids[:p], ids[p:]
 
-    def lengths(self) -> list[int]:
-        """Prompt + response length of every pair (from the index, without reading the tokens)."""
-        return (self.index[:, 1] + self.index[:, 2]).tolist()
-
-    def length(self, i: int) -> int:
-        """Prompt + response length of pair ``i`` (one index row)."""
-        row = self.index[i]
-        return int(row[1] + row[2])
-
     def __repr__(self) -> str:
         return f"PairStore({str(self.folder)!r}, {self.split!r}, {self.n} pairs)"
-
-
-def pair_lengths(pairs: Sequence[Pair]) -> list[int]:
-    """``len(prompt) + len(response)`` of every pair (a :class:`PairStore` reads its index only)."""
-    if isinstance(pairs, PairStore):
-        return pairs.lengths()
-    return [len(p) + len(r) for p, r in pairs]
-
-
-def pair_length_fn(pairs: Sequence[Pair]) -> Callable[[int], int]:
-    """``i -> len(prompt_i) + len(response_i)`` without building a list of every length first."""
-    if isinstance(pairs, PairStore):
-        return pairs.length
-    return lambda i: len(pairs[i][0]) + len(pairs[i][1])
 
 
 def _file_digest(path: Path) -> str:

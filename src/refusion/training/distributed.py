@@ -408,19 +408,6 @@ def shared_pairs(
 
 
 # ---------------------------------------------------------------------------------------- CLI
-def encode_chat_pairs(tokenizer: Any, texts: list[tuple[str, str]], max_length: int | None) -> list[Pair]:
-    """Prompts through the tokenizer's chat template (as the 8B is evaluated), responses + EOS."""
-    from refusion.models.tokenizer import encode_prompt
-    from refusion.training.data import encode_response
-
-    pairs = []
-    for query, response in texts:
-        p, r = encode_prompt(tokenizer, query, chat=True), encode_response(tokenizer, response)
-        if max_length is None or len(p) + len(r) <= max_length:
-            pairs.append((p, r))
-    return pairs
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m refusion.training.distributed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
