@@ -13,6 +13,26 @@ from torch import Tensor
 
 
 CPU_CHUNK_ELEMENTS = 1 << 21  # 8 MB of float32: a reduction's temporaries stay in reused heap memory
+ARGMAX_BLOCK = 256  # vocabulary ids per block of row_argmax's two-level search
+
+
+def row_argmax(logits: Tensor) -> Tensor:
+    """``logits [..., V]`` -> the index of each row's first maximum ``[...]``, as ``logits.argmax(-1)``
+    returns it for finite logits. On the CPU with a large vocabulary it searches in two levels: the
+    maximum of each block of ``ARGMAX_BLOCK`` ids (a vectorised ``amax``), the first block holding the
+    row's maximum, then the argmax inside that block; the same index, about 5x faster than the CPU's
+    ``argmax`` kernel at 151,936 ids. Elsewhere it is ``argmax``."""
+    V = logits.shape[-1]
+    if logits.device.type != "cpu" or V < 8 * ARGMAX_BLOCK:
+        return logits.argmax(dim=-1)
+    n_full = V // ARGMAX_BLOCK
+    block_max = logits[..., : n_full * ARGMAX_BLOCK].unflatten(-1, (n_full, ARGMAX_BLOCK)).amax(-1)  # [..., n_full]
+    if V % ARGMAX_BLOCK:
+        block_max = torch.cat([block_max, logits[..., n_full * ARGMAX_BLOCK:].amax(-1, keepdim=True)], dim=-1)
+    first_block = (block_max == block_max.amax(-1, keepdim=True)).to(torch.uint8).argmax(-1)  # [...]
+    start = first_block * ARGMAX_BLOCK
+    ids = (start[..., None] + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_max(V - 1)  # [..., B]
+    return start + logits.gather(-1, ids).argmax(-1)  # a clamped id repeats the last one, after it
 
 
 def row_logsumexp(logits: Tensor) -> Tensor:

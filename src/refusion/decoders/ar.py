@@ -18,6 +18,7 @@ import torch
 
 from refusion.core.hookspecs import hookimpl
 from refusion.core.interfaces import Decoder, DecoderOptions
+from refusion.core.probs import row_argmax
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import LoopSteps, Read, run_loop, run_loops
 from refusion.models.ragged import ForwardRequest, RaggedCache
@@ -46,7 +47,7 @@ class ArDecoder(Decoder):
         out: list[int] = []
         trace: list[IterationTrace] = []
         while True:
-            token = logits.argmax(-1)  # [1, 1] on the device
+            token = row_argmax(logits)  # [1, 1] on the device
             (value,) = yield Read((token,))  # the one host read per token: EOS or not
             out.append(value[0][0])
             pos = P + len(out) - 1

@@ -54,7 +54,7 @@ from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import Decoder, DecoderOptions
-from refusion.core.probs import next_token_probs, row_logsumexp
+from refusion.core.probs import next_token_probs, row_argmax, row_logsumexp
 from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
 from refusion.decoders.common import LoopSteps, Read, cut_after_eos, run_loop, run_loops
 from refusion.models.backend import ALL_ROWS
@@ -274,8 +274,8 @@ class RefusionDecoder(Decoder):
             window = filled[:, kept:]  # a view: filled in place
             m = k - kept
             masked = torch.where(before, window, bb.mask_id)
-            predicted = (yield ForwardRequest(cache, masked, positions[:, kept:], keep_kv=False,
-                                              logits_at=slice(1, None))).argmax(-1)  # [S, m-1]
+            predicted = row_argmax((yield ForwardRequest(cache, masked, positions[:, kept:], keep_kv=False,
+                                                         logits_at=slice(1, None))))  # [S, m-1]
             window[:, 1:] = torch.where(before[:, 1:], window[:, 1:], predicted)
             logits = yield ForwardRequest(cache, window, positions[:, kept:], logits_at=slice(0, m - 1))  # [S, m-1, V]
             norm = row_logsumexp(logits)  # [S, m-1]
@@ -405,7 +405,7 @@ class RefusionDecoder(Decoder):
         open_ = ~before & valid
         has_open = open_.any(dim=1)  # [S]
         first_open = open_.int().argmax(dim=1)  # [S] (0 in rows with none, never used there)
-        best = logits[rows, (first_open - 1).clamp_min(0)].argmax(-1)  # [S]
+        best = row_argmax(logits[rows, (first_open - 1).clamp_min(0)])  # [S]
         drafted = window[rows, first_open]
         replaced = has_open & (best != drafted)
         window[rows, first_open] = torch.where(has_open, best, drafted)

@@ -16,14 +16,14 @@ from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
 from refusion.core.interfaces import Drafter, Options
-from refusion.core.probs import token_probs
+from refusion.core.probs import row_argmax, token_probs
 from refusion.core.types import Proposal
 
 
 def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
     """Token ids ``[...]`` from ``logits [..., V]``: argmax at T=0, Gumbel-max sampling (float64) above."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     device = generator.device if generator is not None else logits.device
     u = torch.rand(logits.shape, dtype=torch.float64, generator=generator, device=device).to(logits.device)
     u = u.clamp_min(torch.finfo(torch.float64).tiny)
