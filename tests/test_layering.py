@@ -120,17 +120,8 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
-#: cycles that remain until their modules change, each with the import that has to go; any other cycle fails,
-#: and so does the removal of one of these (then delete it here)
-KNOWN_CYCLES = [
-    # families.load_model imports native (for LLaDA / Dream) while native imports families, and
-    # native.load_native_backbone imports backend, which imports families
-    ["refusion.models.backend", "refusion.models.families", "refusion.models.native"],
-]
-
-
 def test_no_import_cycles():
-    assert import_cycles(import_graph()) == KNOWN_CYCLES
+    assert import_cycles(import_graph()) == []
 
 
 def test_the_cycle_check_sees_function_level_imports():

@@ -16,8 +16,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from refusion.core.config import build_decoder
 from refusion.models.backend import Backbone, MaskTokenError
 from refusion.models.build import build_model
+from refusion.models.checkpoint import load_model
 from refusion.models.families import (
-    FAMILIES, DreamAdapter, FamilyError, LladaAdapter, detect_family, get_family, load_model,
+    FAMILIES, DreamAdapter, FamilyError, LladaAdapter, detect_family, get_family,
 )
 from refusion.models.loading import save_pretrained
 

@@ -12,7 +12,8 @@ from refusion.models.tokenizer import encode_prompt
 from refusion.core.config import ConfigError, build_decoder
 from refusion.models import loading
 from refusion.models.backend import Backbone
-from refusion.models.families import get_family, load_model
+from refusion.models.checkpoint import load_model
+from refusion.models.families import get_family
 from refusion.models.loading import Runtime, RuntimeOptionError, RuntimeOptions, resolve_model_path
 
 

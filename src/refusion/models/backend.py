@@ -123,14 +123,14 @@ class Backbone:
         decides attention, mask id, logits shift and EOS ids (:mod:`refusion.models.families`). ``dtype``,
         ``attn_implementation`` and ``device_map`` default as :class:`~refusion.models.loading.Runtime`
         says (bfloat16 on CUDA, float32 on CPU; sdpa) and are checked there with errors naming the option."""
-        from refusion.models import families
+        from refusion.models import checkpoint, families
         from refusion.models.loading import Runtime
 
         runtime = Runtime.resolve(device=device, dtype=dtype, attn_implementation=attn_implementation,
                                   device_map=device_map)
         path = resolve_model_path(name_or_path)
         fam = families.resolve_family(path, family)
-        model, tokenizer = families.load_model(path, fam, runtime=runtime, trust_remote_code=trust_remote_code)
+        model, tokenizer = checkpoint.load_model(path, fam, runtime=runtime, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, **families.backbone_kwargs(fam, model, tokenizer))
 
     # ------------------------------------------------------------------ checks

@@ -348,26 +348,3 @@ def load_native_tokenizer(path: str | os.PathLike, family: str | Family | None =
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     raise _refuse(name, path, "the tokenizer names its own code and the folder has no tokenizer.json "
                               "(nor vocab.json + merges.txt for Dream) to load instead")
-
-
-def load_native_backbone(
-    path: str | os.PathLike, family: str | Family | None = None, device: str = "cpu",
-    dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
-    device_map: str | dict | None = None,
-) -> "Backbone":
-    """A :class:`~refusion.models.backend.Backbone` over the native model of a LLaDA / Dream folder, with
-    the family's mask id, EOS ids, bidirectional attention and (Dream) shifted logits. ``dtype`` None: the
-    storage dtype; the other options as :class:`~refusion.models.loading.Runtime` checks them."""
-    from refusion.models.backend import Backbone
-    from refusion.models.families import backbone_kwargs
-    from refusion.models.loading import Runtime, check_model_dir, dtype_name
-
-    path = Path(path)
-    check_model_dir(path)
-    fam = resolve_family(path, family)
-    _family_name(fam)
-    runtime = Runtime.resolve(device=device, dtype=dtype if dtype is not None else dtype_name(storage_dtype(path)),
-                              attn_implementation=attn_implementation, device_map=device_map)
-    model = runtime.place(load_native_model(path, fam, runtime=runtime))
-    tokenizer = load_native_tokenizer(path, fam)
-    return Backbone(model, tokenizer, **backbone_kwargs(fam, model, tokenizer))
