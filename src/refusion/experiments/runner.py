@@ -71,9 +71,10 @@ def forward_share_s(record: dict[str, Any]) -> float | None:
 
 def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[dict[str, Any]]:
     """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task,
-    on the samples both decoded (a run with a ``limit`` is compared on its own samples only). Tokens/s is total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks'
-    wall time, so the aggregate throughput), latency the mean per-sample ``wall_s``; a batched run's
-    rows add ``batch_size``."""
+    on the samples both decoded (a run with a ``limit`` is compared on its own samples only). Tokens/s is
+    total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks' wall time, so
+    the aggregate throughput), latency the mean per-sample ``wall_s``; a batched run's rows add
+    ``batch_size``."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
         groups.setdefault((r["run"], r["task"]), []).append(r)
