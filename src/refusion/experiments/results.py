@@ -18,8 +18,8 @@ Accuracy is compared paired, on the samples both runs decoded (:mod:`refusion.ex
 interval's lower end is above -``MARGIN`` (5 points), and fails when its upper end is below 0 (A is
 worse beyond doubt); "A and B agree" holds when the whole interval is within ``MARGIN`` of 0, and fails
 when it lies wholly outside. Anything between is **inconclusive** on that task: the samples cannot
-tell, and the task is listed as such and left out of the verdict. A claim about accuracy is not tested on a task
-where every run of the ablation is at chance level (each run's accuracy at most the task's
+tell, and the task is listed as such and left out of the verdict. A claim about accuracy is not tested
+on a task where every run of the ablation is at chance level (each run's accuracy at most the task's
 ``chance_accuracy`` plus two binomial standard errors of it, and at least 5 points): "0% and 0% agree"
 says nothing about the decoder; nor does "100% and 100% agree" on a task where every run got every
 sample right (the ceiling). Such tasks are listed as not testable and left out of the verdict.
@@ -33,11 +33,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from refusion.core.machine import machine
 from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, plot, run_ablation
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+
+if TYPE_CHECKING:
+    from refusion.experiments.stats import Interval
 
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
          "variants", "ladder")
@@ -61,7 +64,7 @@ class Inconclusive(NotTestable):
     """Raised by a claim's test when the paired interval it reads can neither confirm nor refute it."""
 
 
-def paired_gap(a: dict[str, Any], b: dict[str, Any]):
+def paired_gap(a: dict[str, Any], b: dict[str, Any]) -> "Interval":
     """A's accuracy minus B's on the samples both decoded, with its 95% paired-bootstrap interval
     (:class:`~refusion.experiments.stats.Interval`). Rows carry their samples' correctness as
     ``per_sample`` (``idx -> bool``; :func:`attach_samples`)."""
@@ -218,8 +221,9 @@ def block_size_robust(runs: dict[str, dict]) -> Outcome:
     pts = _swept(runs, "serial_blocks")
     hi, lo = max(pts, key=lambda r: r["accuracy"]), min(pts, key=lambda r: r["accuracy"])
     ok = agree(hi, lo)
-    return ok, f"most - least accurate {_gap_text(paired_gap(hi, lo))}: " + ", ".join(f"{r['serial_blocks']} block{'s' * (r['serial_blocks'] != 1)} {_pct(r['accuracy'])} "
-                         f"(TPF {r['tpf']:.2f})" for r in pts)
+    return ok, f"most - least accurate {_gap_text(paired_gap(hi, lo))}: " + ", ".join(
+        f"{r['serial_blocks']} block{'s' * (r['serial_blocks'] != 1)} {_pct(r['accuracy'])} (TPF {r['tpf']:.2f})"
+        for r in pts)
 
 
 def _drop(runs: dict[str, dict], decoder: str) -> tuple[float, float, str] | None:

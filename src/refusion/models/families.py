@@ -46,14 +46,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from refusion.core.errors import MaskTokenError
-
-if TYPE_CHECKING:
-    from refusion.models.loading import Runtime
 
 QWEN_EOS = (151643, 151645)  # <|endoftext|>, <|im_end|>
 REFUSION_MASK_ID = 151670  # <|mask|>

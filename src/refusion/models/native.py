@@ -67,7 +67,6 @@ from refusion.models.families import Family, FamilyError, read_config, resolve_f
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from refusion.models.backend import Backbone
     from refusion.models.loading import Runtime
 
 #: family -> the transformers architecture its checkpoints load as
