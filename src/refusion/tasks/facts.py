@@ -190,11 +190,13 @@ class FactsHardTask(FactsTask):
     def question(self, rng: random.Random, country: str, attribute: Attribute) -> Example:
         example = super().question(rng, country, attribute)
         options = {line.split(") ", 1)[1] for line in example.query.split("\n")[1:]}
+        value = self.facts[country][attribute.name]
         misleading = rng.random() < 0.5
-        others = [c for c in self.facts if c != country
-                  and (self.facts[c][attribute.name] in options) == misleading
-                  and self.facts[c][attribute.name] != self.facts[country][attribute.name]]
-        context = self.statement(rng.choice(others), attribute)
+        kinds = {kind: [c for c in self.facts if self.facts[c][attribute.name] != value
+                        and (self.facts[c][attribute.name] in options) == kind] for kind in (True, False)}
+        if not kinds[misleading]:  # no country holds a value of that kind: the other kind
+            misleading = not misleading
+        context = self.statement(rng.choice(kinds[misleading]), attribute)
         return Example(self.name, f"{context}\n{example.query}", example.response, example.answer,
                        {**example.meta, "misleading": misleading})
 
