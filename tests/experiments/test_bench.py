@@ -300,3 +300,20 @@ def test_speedup_of_a_limited_run_is_measured_on_its_own_samples():
     runs = [Run("ar", "m", {"t": {"decoder": "ar"}}), Run("slow", "m", {"t": {"decoder": "llada"}}, limit=2)]
     rows = {r["run"]: r for r in summarize(recs, runs, baseline="ar")}
     assert rows["slow"]["speedup"] == pytest.approx(0.5)  # against ar's first two samples, not all three
+
+
+def test_the_shipped_paper_rows_run_the_papers_algorithms():
+    """refusion-paper carries none of our additions on any task, llada-paper none of Fast-dLLM's, and both
+    share their model with the row they are compared to."""
+    from refusion.core.config import validate_config
+    from refusion.experiments.bench import load_bench_config
+
+    cfg = load_bench_config()
+    assert cfg.models["refusion-paper"] == cfg.models["refusion"] and cfg.models["llada-paper"] == cfg.models["llada"]
+    for task in ("arith", "code", "facts", "arith_hard"):
+        _, paper, _ = validate_config(cfg.decoder_config(task, "refusion-paper", get_task(task).max_new_tokens))
+        assert paper.scorer.name == "first_token_prob" and paper.selector.fallback == "best"
+        assert paper.draft_window is None and not paper.correct and not paper.join_adjacent and not paper.fused
+        assert paper.split_threshold is None and paper.remasker.name == "none" and paper.serial_blocks == 1
+        _, llada, _ = validate_config(cfg.decoder_config(task, "llada-paper", get_task(task).max_new_tokens))
+        assert llada.kv_cache == "none" and llada.selector.name == "topk_per_step" and llada.steps is None
