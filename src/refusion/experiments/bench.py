@@ -92,7 +92,7 @@ def with_models(cfg: BenchConfig, items: list[str]) -> BenchConfig:
     for item in items:
         name, sep, folder = item.partition("=")
         if not (sep and name.strip() and folder.strip()):
-            raise ConfigError(f"--model expects DECODER=FOLDER (e.g. ar=runs/recipe/tiny-base), got {item!r}")
+            raise ConfigError(f"--model expects DECODER=FOLDER (e.g. ar=tiny-refusion or ar=path/to/model), got {item!r}")
         if name.strip() not in models:
             raise ConfigError(f"--model {item!r}: no decoder {name.strip()!r} in the bench config; "
                               f"configured: {', '.join(cfg.models)}")
