@@ -221,6 +221,40 @@ def test_mdm_mask_is_bidirectional(tok, pairs):
     assert (l1[0, 0] - l2[0, 0]).abs().max() > 1e-4
 
 
+def test_mdm_semi_ar_layout(tok, pairs):
+    """``semi_ar=1``: every example shows earlier blocks clean, its block partly masked, the rest [MASK];
+    only the block's masked tokens are targets, weighted to sum to ~1 per example. ``semi_ar=0`` draws
+    exactly LLaDA's layout."""
+    block = 4
+    obj = MdmObjective.from_tokenizer(tok, {"semi_ar": 1.0, "semi_ar_block": block})
+    R_max = max(len(r) for _, r in pairs)
+    mask_id = tok.mask_token_id
+    starts = set()
+    for seed in range(20):
+        b = obj.make_batch(pairs, torch.Generator().manual_seed(seed))
+        for i, (p, r) in enumerate(pairs):
+            P = len(p)
+            shown = b.input_ids[i, P:P + R_max] == mask_id  # [R_max]
+            scored = b.masked[i, P:P + R_max]
+            where = scored.nonzero().flatten()
+            assert len(where) >= 1
+            start = int(where[0]) // block * block
+            end = min(start + block, R_max)
+            starts.add(start)
+            assert not shown[:start].any()  # earlier blocks clean
+            assert shown[end:].all()  # later tokens all [MASK]
+            assert (scored == (shown & (torch.arange(R_max) >= start) & (torch.arange(R_max) < end))).all()
+            padded = list(r) + [tok.eos_token_id] * (R_max - len(r))
+            assert b.labels[i, P:P + R_max][scored].tolist() == [padded[j] for j in where.tolist()]
+            assert b.labels[i, P:P + R_max][~scored].eq(IGNORE).all()
+            w = b.weights[i, P:P + R_max]
+            assert torch.allclose(w[scored], torch.full_like(w[scored], 1.0 / (b.meta["p_mask"][i] * (end - start))))
+    assert len(starts) > 2  # the block is drawn, not fixed
+    plain = MdmObjective.from_tokenizer(tok).make_batch(pairs, torch.Generator().manual_seed(3))
+    off = MdmObjective.from_tokenizer(tok, {"semi_ar": 0.0}).make_batch(pairs, torch.Generator().manual_seed(3))
+    assert torch.equal(plain.input_ids, off.input_ids) and torch.equal(plain.weights, off.weights)
+
+
 def test_block_layout_and_mask(tok, pairs):
     bs = 4
     obj = BlockObjective.from_tokenizer(tok, block_size=bs)

@@ -345,6 +345,10 @@ class MdmObjective(MaskedDiffusionObjective):
         eps: float = 1e-3
         #: right-pad responses with EOS to the batch's longest response (LLaDA SFT)
         eos_pad: bool = True
+        #: share of examples masked as a semi-autoregressive decode sees them (0: LLaDA's SFT alone)
+        semi_ar: float = Field(default=0.0, ge=0.0, le=1.0)
+        #: the block length of those examples (the decoder's ``block_length``)
+        semi_ar_block: int = Field(default=32, ge=1)
 
     def make_batch(self, pairs: list[Pair], generator: torch.Generator) -> Batch:
         R_max = max(len(r) for _, r in pairs)
@@ -356,12 +360,15 @@ class MdmObjective(MaskedDiffusionObjective):
             t = float(torch.rand(1, generator=generator, dtype=torch.float64))
             p = _p_mask(t, self.options.eps)
             masked = (torch.rand(len(response), generator=generator, dtype=torch.float64) < p).tolist()
+            scored, span = masked, len(response)
+            if self.options.semi_ar and float(torch.rand(1, generator=generator, dtype=torch.float64)) < self.options.semi_ar:
+                masked, scored, span = self._semi_ar_layout(masked, generator)
             P = len(prompt)
             ids.append(list(prompt) + [self.mask_id if m else tok for tok, m in zip(response, masked)])
-            lab.append([IGNORE] * P + [tok if m else IGNORE for tok, m in zip(response, masked)])
-            msk.append([False] * P + masked)
-            w = 1.0 / (p * len(response))
-            wts.append([0.0] * P + [w if m else 0.0 for m in masked])
+            lab.append([IGNORE] * P + [tok if m else IGNORE for tok, m in zip(response, scored)])
+            msk.append([False] * P + scored)
+            w = 1.0 / (p * span)  # each example's weights sum to 1 in expectation
+            wts.append([0.0] * P + [w if m else 0.0 for m in scored])
             pm.append(p)
         L = max(len(r) for r in ids)
         B = len(pairs)
@@ -377,6 +384,22 @@ class MdmObjective(MaskedDiffusionObjective):
             n_examples=B,
             meta={"p_mask": pm, "n_tokens": int(valid.sum())},
         )
+
+    def _semi_ar_layout(self, masked: list[bool], generator: torch.Generator) -> tuple[list[bool], list[bool], int]:
+        """What a semi-autoregressive decode shows at a step of block ``b`` (drawn uniformly): blocks before
+        ``b`` clean, block ``b`` masked as drawn (``masked``), every later token ``[MASK]``. Returns the
+        input's mask, the scored targets (block ``b``'s masked tokens only: the decoder commits nothing
+        beyond its block) and the block's length."""
+        L = self.options.semi_ar_block
+        n_blocks = -(-len(masked) // L)
+        start = L * int(torch.randint(n_blocks, (1,), generator=generator))
+        end = min(start + L, len(masked))
+        if not any(masked[start:end]):  # at least one target in the block
+            masked = masked[:start] + [True] + masked[start + 1:]
+        in_block = [start <= j < end for j in range(len(masked))]
+        shown = [j >= end or (b and m) for j, (b, m) in enumerate(zip(in_block, masked))]
+        return shown, [b and m for b, m in zip(in_block, masked)], end - start
+
 
 class BlockObjective(MaskedDiffusionObjective):
     """Block diffusion (BD3-LM vectorised training): noisy block b attends to clean blocks < b."""
