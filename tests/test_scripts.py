@@ -59,3 +59,14 @@ def test_forward_cost_prints_a_row_per_fed_width(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "16", "64"]
     assert all(float(c) > 0 for r in rows for c in r.strip("|").split("|")[1:])
+
+
+def test_mdm_gap_prints_every_layout(capsys):
+    assert run_script("mdm_gap.py", "--n", "2", "--tasks", "facts") == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| facts")]
+    layouts = [(r[1].strip(), r[2].strip()) for r in rows]
+    assert layouts == [("tiny-mdm", "iid 0.25"), ("tiny-mdm", "iid 0.5"), ("tiny-mdm", "iid 0.75"),
+                       ("tiny-mdm", "left-to-right"), ("tiny-ar", "causal next token")]
+    accuracy = {layout: float(r[3].strip().rstrip("%")) for layout, r in zip(layouts, rows)}
+    assert all(0.0 <= a <= 100.0 for a in accuracy.values())
+    assert accuracy[("tiny-ar", "causal next token")] > 90.0  # tiny-ar answers facts; a broken layout would not

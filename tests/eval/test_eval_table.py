@@ -29,3 +29,12 @@ def test_eval_table_reads_each_folder_as_a_column(tmp_path, capsys):
     assert "| refusion_mmlu_pro |  | 40.0 |" in text and "mmlu_pro_law" not in text  # the group, not its subtasks
     assert main(["eval-table", str(tmp_path / "none")]) == 2
     assert "no refusion eval --output JSON files" in capsys.readouterr().err
+
+
+def test_eval_without_the_harness_names_the_extra(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-evaluation-harness were not installed
+    assert main(["eval", "--model", "tiny-refusion", "--tasks", "tinybench_arith", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "lm-evaluation-harness" in err and "'.[eval]'" in err

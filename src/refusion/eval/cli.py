@@ -97,7 +97,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.confirm_run_unsafe_code:
         os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")  # the harness's code_eval metric asks for it
 
-    import lm_eval
+    try:
+        import lm_eval
+    except ImportError as e:
+        raise ValueError(f"refusion eval needs lm-evaluation-harness ({e}); install the eval extra: "
+                         "pip install -e '.[eval]' (or '.[test]')") from None
 
     from refusion.eval.lm_eval_adapter import RefusionLM
     from refusion.models.loading import runtime_from_args
