@@ -70,3 +70,12 @@ def test_mdm_gap_prints_every_layout(capsys):
     accuracy = {layout: float(r[3].strip().rstrip("%")) for layout, r in zip(layouts, rows)}
     assert all(0.0 <= a <= 100.0 for a in accuracy.values())
     assert accuracy[("tiny-ar", "causal next token")] > 90.0  # tiny-ar answers facts; a broken layout would not
+
+
+def test_head_vs_normalisation_prints_a_row_per_width(capsys):
+    assert run_script("head_vs_normalisation.py", "--vocab", "4096", "--hidden", "16,32", "--rows", "2",
+                      "--repeats", "1") == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")
+            and line[2].isdigit()]
+    assert [r[0].strip() for r in rows] == ["16", "32"]
+    assert all(0.0 < float(r[4].strip().rstrip("%")) < 100.0 for r in rows)

@@ -100,12 +100,16 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
+    samples = [{"run": run, "task": "arith", "idx": i, "correct": True, "wall_s": 45.0}
+               for run in ("kv_concat", "kv_recompute") for i in range(2)]  # 4 decodes of 45 s: 3.0 min
+    (out / "kv_cache" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
     doc = tmp_path / "docs" / "results.md"
     doc.parent.mkdir()
-    text = write_document(out, doc, ["kv_cache"], {"kv_cache": 90.0}, "refusion results --only kv_cache")
+    text = write_document(out, doc, ["kv_cache"], "refusion results --only kv_cache", jobs=2)
     assert doc.read_text() == text
     assert "`refusion results --only kv_cache`" in text and "test box" in text
-    assert "**holds**" in text and "1.5 min" in text and "Table 8" in text
+    assert "**holds**" in text and "| 3.0 min |" in text and "Table 8" in text
+    assert "decodes took 3 min; in 2 workers at once, about 2 min of wall time" in text
     assert "![kv_cache_0](results/kv_cache_0.png)" in text
     figure = tmp_path / "docs" / "results" / "kv_cache_0.png"  # drawn from results.json, with the page
     assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".svg").exists()
@@ -136,7 +140,7 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
 
 
 def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, monkeypatch):
-    """--only kv_cache after a full run: slot_size keeps its section and its run time; kv_cache's time is new."""
+    """--only kv_cache after a full run: slot_size keeps its section and its decode time; kv_cache's time is new."""
     import sys
 
     monkeypatch.setattr(results, "machine", lambda: "test box")
@@ -148,6 +152,8 @@ def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, m
     out, doc = tmp_path / "runs", tmp_path / "results.md"
     results.run_all(out, doc, ["kv_cache", "slot_size"], jobs=2)
     (out / "timings.json").write_text(json.dumps({"kv_cache": 600.0, "slot_size": 120.0}))
+    (out / "slot_size" / "samples.jsonl").write_text(json.dumps(  # slot_size's decode time: 2.0 min
+        {"run": "kv_concat", "task": "arith", "idx": 0, "correct": True, "wall_s": 120.0}) + "\n")
     text = results.run_all(out, doc, ["kv_cache"], jobs=2)
     assert 'id="slot_size"' in text and 'id="kv_cache"' in text
     timings = json.loads((out / "timings.json").read_text())
@@ -199,7 +205,9 @@ def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypa
     rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
             row("code", "kv_concat", 0.6, tps=12), row("code", "kv_recompute", 0.6, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
-    (out / "timings.json").write_text(json.dumps({"kv_cache": 120.0}))
+    (out / "kv_cache" / "samples.jsonl").write_text("".join(json.dumps(
+        {"run": r["run"], "task": r["task"], "idx": i, "correct": ok, "wall_s": 0.15}) + "\n"
+        for r in rows for i, ok in r["per_sample"].items()))  # 800 decodes of 0.15 s: 2.0 min
     text = results.run_all(out, tmp_path / "r.md", ["kv_cache"], run=False, command="refusion results --limit 20")
     assert "**holds** (tested on code; at chance on arith) | 2.0 min |" in text
     with pytest.raises(RuntimeError, match="no results.json for \\['scorers'\\]"):
