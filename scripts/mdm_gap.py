@@ -10,8 +10,8 @@ task's ``max_new_tokens`` (the length LLaDA-style decoding fills):
   probability ``p`` (0.25, 0.5, 0.75; seeded); accuracy of the argmax at masked response tokens.
 - ``left-to-right``: the layout a one-token-per-step, left-to-right decode presents: the target's first
   ``j`` tokens given, every later one ``[MASK]``; accuracy at token ``j``, for every ``j`` of the response.
-  ``all right`` is the share of examples whose every response token is right in this layout (teacher
-  forced, so an upper bound of a greedy left-to-right decode's exact match).
+  ``all right`` is the share of examples whose every response token is right in this layout: the
+  share a greedy left-to-right decode, one token per step, reproduces token for token.
 - for the AR model, the same two figures for causal next-token prediction.
 
 It also counts, for the masked model's left-to-right errors on arith, which line of the worked answer
@@ -123,7 +123,7 @@ def main() -> None:
                 "left-to-right", "causal next token") else "-"
             print(f"| {task_name} | {name} | {layout} | {100 * sum(flat) / len(flat):.2f}% | {all_right} |", flush=True)
         if task_name == "arith" and error_lines:
-            print(f"<!-- arith left-to-right errors by line: {dict(error_lines)} -->", flush=True)
+            print(f"\narith, left-to-right misses by line: {dict(error_lines)}\n", flush=True)
 
 
 if __name__ == "__main__":
