@@ -125,9 +125,15 @@ def test_goal_lines_compare_each_decoder_with_ar_of_its_task():
         "arith: block 4.00x ar's tokens/s, -2.5 points (97.0% vs 99.5%, n 200): goal not met",
         "facts: refusion 1.80x ar's tokens/s, +1.0 points (99.0% vs 98.0%, n 200): goal not met",
     ]
-    rows[2].update(speedup_interval=[1.7, 1.9], accuracy_diff={"low": -0.01, "high": 0.03, "p_value": 0.5})
+    rows[2].update(speedup_interval=[1.7, 1.9],
+                   accuracy_diff={"value": 0.01, "low": -0.01, "high": 0.03, "p_value": 0.5})
     assert goal_lines(rows)[2] == ("facts: refusion 1.80x [1.70, 1.90] ar's tokens/s, +1.0 points [-1.0, +3.0], "
                                    "McNemar p 0.5 (99.0% vs 98.0%, n 200): goal not met")
+    # a row on the first 20 samples is compared with ar on those 20, not with ar's whole-split accuracy
+    rows.append({**row("arith", "slow", 0.9, 0.2), "n": 20,
+                 "accuracy_diff": {"value": -0.1, "low": -0.25, "high": 0.0, "p_value": 0.06}})
+    assert goal_lines(rows)[2] == ("arith: slow 0.20x ar's tokens/s, -10.0 points [-25.0, +0.0], McNemar p 0.06 "
+                                   "(90.0% vs 100.0%, n 20): goal not met")
 
 
 def test_rows_carry_paired_intervals_against_the_baseline():

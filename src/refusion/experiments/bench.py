@@ -182,23 +182,25 @@ def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (task, decoder other than ``ar``): its ``speedup_vs_ar``, its accuracy against ``ar``'s
     in the same run (with their paired 95% intervals and McNemar's p when the row has them), and whether
     the point estimates meet the goal (``GOAL_SPEEDUP``, ``GOAL_POINTS``); task by task in name order.
-    Tasks without an ``ar`` row give no line."""
+    A row with a paired ``accuracy_diff`` is compared with ``ar`` on the samples both decoded (a row with
+    a ``limit`` decodes fewer). Tasks without an ``ar`` row give no line."""
     ar = {r["task"]: r for r in rows if r["run"] == "ar"}
     lines = []
     for r in sorted(rows, key=lambda r: r["task"]):
         b = ar.get(r["task"])
         if b is None or r is b or r["speedup_vs_ar"] is None:
             continue
-        points = 100 * (r["accuracy"] - b["accuracy"])
+        paired = r.get("accuracy_diff")
+        ar_accuracy = r["accuracy"] - paired["value"] if paired else b["accuracy"]  # on this row's samples
+        points = 100 * (r["accuracy"] - ar_accuracy)
         met = r["speedup_vs_ar"] >= GOAL_SPEEDUP and points >= -GOAL_POINTS - 1e-9  # accuracies are ratios: float slack
         speed, diff = f"{r['speedup_vs_ar']:.2f}x", f"{points:+.1f} points"
         if r.get("speedup_interval"):  # paired 95% intervals (runner.add_paired_intervals)
             speed += " [{:.2f}, {:.2f}]".format(*r["speedup_interval"])
-        if r.get("accuracy_diff"):
-            d = r["accuracy_diff"]
-            diff += f" [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}], McNemar p {d['p_value']:.2g}"
+        if paired:
+            diff += f" [{100 * paired['low']:+.1f}, {100 * paired['high']:+.1f}], McNemar p {paired['p_value']:.2g}"
         lines.append(f"{r['task']}: {r['run']} {speed} ar's tokens/s, {diff} "
-                     f"({100 * r['accuracy']:.1f}% vs {100 * b['accuracy']:.1f}%, n {r['n']}): "
+                     f"({100 * r['accuracy']:.1f}% vs {100 * ar_accuracy:.1f}%, n {r['n']}): "
                      f"goal {'met' if met else 'not met'}")
     return lines
 
