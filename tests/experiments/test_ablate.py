@@ -1,6 +1,7 @@
 """`refusion ablate`: grid expansion, per-run configs on top of the bench's, resumable output, plots."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -64,6 +65,17 @@ def test_every_shipped_ablation_is_a_valid_config_on_each_of_its_tasks(name):
     """A grid value the decoder rejects on one task (e.g. a serial block count that does not divide
     that task's slots) must fail here, not an hour into ``refusion results``."""
     cfg = load_ablation(name + ".yaml")
+    for run in build_runs(cfg):
+        for task in cfg.tasks:
+            validate_config(run.configs[task])
+
+
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+
+
+@pytest.mark.parametrize("path", sorted(DOCS_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_ablation_the_docs_run_is_a_valid_config_on_each_of_its_tasks(path):
+    cfg = load_ablation(path)
     for run in build_runs(cfg):
         for task in cfg.tasks:
             validate_config(run.configs[task])
