@@ -1,24 +1,28 @@
 """ReFusion against AR greedy on a randomly initialised Qwen3 of 0.6B shape, on one device.
 
-    python scripts/gpu_bench.py [--device cuda] [--dtype bfloat16] [--shape 0.6b] [--prompts 4] [--gen-length 256]
+    python scripts/gpu_bench.py [--device cuda] [--dtype bfloat16] [--shape 0.6b] [--prompts 2] [--gen-length 256]
 
 Builds the model from a config (no download; random weights, the shipped tiny tokenizer, whose ids all
 lie inside the 151,936-row vocabulary), decodes the same prompts with ``ar`` and ``refusion`` (reference
-settings: slot 8, slot threshold 0.9, token threshold 0.4), one untimed warm-up each, and prints per
+settings: slot 8, slot threshold 0.9, token threshold 0.4) after a short warm-up each, and prints per
 decoder: tokens/s (tokens / decode wall time, medians over prompts), forwards, the share of decode time
 outside model forwards (a second pass with synchronised forward timing) and host reads per iteration.
 Random weights decode text of no meaning: the figures measure the data path and the forwards, not
-quality. Then throughput against batch size (``--batch-sizes``, default 1,4,16): the first
-``--batch-prompts`` prompts (default 16) decoded with ``generate_batch`` in chunks of each size, per
-decoder, as aggregate tokens/s (all tokens / all chunks' wall time) and ReFusion's over AR's at each
-size. ``--shape tiny`` builds a small model for a CPU smoke run. Writes ``--out/gpu_bench.json``.
-"""
+quality. Then throughput against batch size (``--batch-sizes``, default 1,4,16): at size s the first s
+prompts decoded in one ``generate_batch`` call, per decoder, as aggregate tokens/s (all tokens / the
+batch's wall time; size 1 is the first pass's first prompt) and ReFusion's over AR's at each size.
 
+Time is scarce on a lent GPU, so the work runs in order of importance (batch 1, then time outside
+forwards, then the batch sizes) and a part that would start after ``--time-limit-s`` seconds is skipped
+and named as skipped; ``--out/gpu_bench.json`` is rewritten after every part, so a run cut short keeps
+what it measured. ``--shape tiny`` builds a small model for a CPU smoke run.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -58,41 +62,61 @@ def prompts(backbone: Backbone, n: int) -> list[list[int]]:
     return [encode_prompt(backbone.tokenizer, e.query) for e in examples]
 
 
+WARM_UP_TOKENS = 16  # a warm-up decode compiles kernels and fills allocator pools; its length does not matter
+
+
+class Clock:
+    """Seconds since the run began, against the ``--time-limit-s`` budget."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.start, self.limit_s = time.perf_counter(), limit_s
+
+    def allows(self) -> bool:
+        return time.perf_counter() - self.start < self.limit_s
+
+
+def decoder_for(backbone: Backbone, name: str, gen_length: int):
+    return build_decoder(backbone, {**CONFIGS[name], "gen_length": gen_length})
+
+
 def measure(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]) -> dict:
-    decoder = build_decoder(backbone, {**CONFIGS[name], "gen_length": gen_length})
-    decoder.generate(ids[0])  # warm-up
-    rates, forwards, tokens, iterations, reads = [], 0, 0, 0, 0
+    """Batch 1: tokens/s per prompt (median), forwards, iterations and host reads per iteration."""
+    decoder_for(backbone, name, WARM_UP_TOKENS).generate(ids[0])
+    decoder = decoder_for(backbone, name, gen_length)
+    rates, walls, forwards, tokens, iterations, reads = [], [], 0, [], 0, 0
     for prompt in ids:
         host.reset()
         result = decoder.generate(prompt)
         reads += host.count
         rates.append(result.stats.tokens_per_second)
+        walls.append(result.stats.wall_s)
         forwards += result.stats.nfe
-        tokens += result.stats.generated_tokens
+        tokens.append(result.stats.generated_tokens)
         iterations += result.stats.iterations
-    backbone.time_forwards, backbone.forward_s, wall = True, 0.0, 0.0
-    for prompt in ids:  # second pass: forwards timed with a synchronisation each
-        wall += decoder.generate(prompt).stats.wall_s
-    backbone.time_forwards = False
-    return {"decoder": name, "tokens_per_second_median": statistics.median(rates), "tokens": tokens,
+    return {"decoder": name, "tokens_per_second_median": statistics.median(rates), "tokens": sum(tokens),
             "forwards": forwards, "iterations": iterations, "host_reads_per_iteration": reads / iterations,
-            "share_outside_forwards": 1 - backbone.forward_s / wall}
+            "first_prompt": {"tokens": tokens[0], "wall_s": walls[0]}}
 
 
-def measure_batches(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]], sizes: list[int]) -> list[dict]:
-    """Aggregate tokens/s of ``ids`` decoded in chunks of each batch size (one untimed warm-up chunk each)."""
-    decoder = build_decoder(backbone, {**CONFIGS[name], "gen_length": gen_length})
-    rows = []
-    for size in sizes:
-        decoder.generate_batch(ids[:size])  # warm-up
-        tokens, wall = 0, 0.0
-        for i in range(0, len(ids), size):
-            results = decoder.generate_batch(ids[i : i + size])
-            tokens += sum(r.stats.generated_tokens for r in results)
-            wall += results[0].stats.batch_wall_s if size > 1 else results[0].stats.wall_s
-        rows.append({"decoder": name, "batch_size": size, "tokens": tokens, "wall_s": wall,
-                     "tokens_per_second": tokens / wall})
-    return rows
+def share_outside_forwards(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]) -> float:
+    """A second pass over ``ids`` with every forward timed (a synchronisation each): 1 - forward time / wall."""
+    decoder = decoder_for(backbone, name, gen_length)
+    backbone.time_forwards, backbone.forward_s, wall = True, 0.0, 0.0
+    try:
+        for prompt in ids:
+            wall += decoder.generate(prompt).stats.wall_s
+    finally:
+        backbone.time_forwards = False
+    return 1 - backbone.forward_s / wall
+
+
+def measure_batch(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]) -> dict:
+    """Aggregate tokens/s of ``ids`` decoded in one ``generate_batch`` call (after a short warm-up batch)."""
+    decoder_for(backbone, name, WARM_UP_TOKENS).generate_batch(ids)
+    results = decoder_for(backbone, name, gen_length).generate_batch(ids)
+    tokens = sum(r.stats.generated_tokens for r in results)
+    wall = results[0].stats.batch_wall_s if len(ids) > 1 else results[0].stats.wall_s
+    return {"decoder": name, "batch_size": len(ids), "tokens": tokens, "wall_s": wall, "tokens_per_second": tokens / wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,38 +124,73 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--shape", default="0.6b", choices=list(SHAPES))
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--batch-sizes", default="1,4,16", help="batch sizes of the throughput table ('' for none)")
-    ap.add_argument("--batch-prompts", type=int, default=16, help="prompts decoded at each batch size")
+    ap.add_argument("--time-limit-s", type=float, default=240.0,
+                    help="skip the parts that would start after this many seconds (default 240)")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_bench"))
     a = ap.parse_args(argv)
+    clock = Clock(a.time_limit_s)
     backbone = random_backbone(a.shape, a.device, getattr(torch, a.dtype))
-    ids = prompts(backbone, a.prompts)
-    rows = [measure(backbone, name, a.gen_length, ids) for name in CONFIGS]
-    ar_rate = rows[0]["tokens_per_second_median"]
     device = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
+    sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
+    ids = prompts(backbone, max([a.prompts, *sizes]))
+    report: dict = {"device": device, "shape": a.shape, "dtype": a.dtype, "prompts": a.prompts,
+                    "gen_length": a.gen_length, "rows": [], "batch_rows": [], "skipped": []}
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (a.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
+
+    def run(part: str, work) -> bool:
+        if not clock.allows():
+            if part not in report["skipped"]:
+                report["skipped"].append(part)
+            save()
+            return False
+        work()
+        save()
+        return True
+
+    rows: dict[str, dict] = {}
+    for name in CONFIGS:
+        run(f"{name} batch 1", lambda name=name: rows.setdefault(name, measure(backbone, name, a.gen_length, ids[:a.prompts])))
+    for name in rows:
+        run(f"{name} time outside forwards", lambda name=name: rows[name].update(
+            share_outside_forwards=share_outside_forwards(backbone, name, a.gen_length, ids[:a.prompts])))
+    report["rows"] = list(rows.values())
+    save()
     print(f"random Qwen3 ({a.shape} shape), {a.dtype}, {device}, {a.prompts} prompts, gen_length {a.gen_length}")
     print("| decoder | tok/s (median) | x AR | forwards | iterations | host reads / iteration | time outside forwards |")
     print("|---|---|---|---|---|---|---|")
-    for r in rows:
+    ar_rate = rows["ar"]["tokens_per_second_median"] if "ar" in rows else float("nan")
+    for r in rows.values():
+        outside = f"{100 * r['share_outside_forwards']:.1f}%" if "share_outside_forwards" in r else "skipped"
         print(f"| {r['decoder']} | {r['tokens_per_second_median']:.1f} | {r['tokens_per_second_median'] / ar_rate:.2f} | "
-              f"{r['forwards']} | {r['iterations']} | {r['host_reads_per_iteration']:.2f} | {100 * r['share_outside_forwards']:.1f}% |")
-    sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
-    batch_rows = []
-    if sizes:
-        many = prompts(backbone, a.batch_prompts)
-        batch_rows = [r for name in CONFIGS for r in measure_batches(backbone, name, a.gen_length, many, sizes)]
-        rate = {(r["decoder"], r["batch_size"]): r["tokens_per_second"] for r in batch_rows}
-        print(f"\nthroughput against batch size ({a.batch_prompts} prompts, aggregate tokens/s)")
-        print("| batch size | " + " | ".join(f"{n} tok/s | {n} x batch 1" for n in CONFIGS) + " | refusion / ar |")
-        print("|---|" + "---|---|" * len(CONFIGS) + "---|")
+              f"{r['forwards']} | {r['iterations']} | {r['host_reads_per_iteration']:.2f} | {outside} |")
+    batch: dict[tuple[str, int], dict] = {}
+    for name in CONFIGS:
         for size in sizes:
-            cells = [f"{rate[n, size]:.1f} | {rate[n, size] / rate[n, sizes[0]]:.2f}" for n in CONFIGS]
-            print(f"| {size} | " + " | ".join(cells) + f" | {rate['refusion', size] / rate['ar', size]:.2f} |")
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gpu_bench.json").write_text(json.dumps(
-        {"device": device, "shape": a.shape, "dtype": a.dtype, "rows": rows, "batch_rows": batch_rows}, indent=1))
+            if size == 1 and name in rows:  # the first pass decoded the first prompt alone
+                first = rows[name]["first_prompt"]
+                batch[name, 1] = {"decoder": name, "batch_size": 1, **first, "tokens_per_second": first["tokens"] / first["wall_s"]}
+            else:
+                run(f"{name} batch {size}", lambda name=name, size=size: batch.__setitem__(
+                    (name, size), measure_batch(backbone, name, a.gen_length, ids[:size])))
+            report["batch_rows"] = list(batch.values())
+    save()
+    if sizes:
+        print("\nthroughput against batch size (the first s prompts in one batch, aggregate tokens/s)")
+        print("| batch size | " + " | ".join(f"{n} tok/s" for n in CONFIGS) + " | refusion / ar |")
+        print("|---|" + "---|" * len(CONFIGS) + "---|")
+        for size in sizes:
+            cells = [f"{batch[n, size]['tokens_per_second']:.1f}" if (n, size) in batch else "skipped" for n in CONFIGS]
+            ratio = (f"{batch['refusion', size]['tokens_per_second'] / batch['ar', size]['tokens_per_second']:.2f}"
+                     if ("refusion", size) in batch and ("ar", size) in batch else "-")
+            print(f"| {size} | " + " | ".join(cells) + f" | {ratio} |")
+    if report["skipped"]:
+        print(f"\nskipped after {a.time_limit_s:.0f} s (--time-limit-s): " + ", ".join(report["skipped"]))
     return 0
 
 

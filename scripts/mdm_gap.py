@@ -35,10 +35,15 @@ PROBS = (0.25, 0.5, 0.75)
 
 
 def bidirectional_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """``ids [B, L]`` -> float32 logits ``[B, L, V]`` with every position attending to every other."""
+    """``ids [B, L]`` -> float32 logits ``[B, L, V]`` with every position attending to every other; row i
+    predicts token i (a model trained with shifted targets, ``refusion_logits_shifted``, has its rows
+    moved right by one; row 0, never read here, repeats row 0)."""
     B, L = ids.shape
-    return model(input_ids=ids, position_ids=torch.arange(L).expand(B, L),
-                 attention_mask=torch.zeros(B, 1, L, L), use_cache=False).logits.float()
+    logits = model(input_ids=ids, position_ids=torch.arange(L).expand(B, L),
+                   attention_mask=torch.zeros(B, 1, L, L), use_cache=False).logits.float()
+    if getattr(model.config, "refusion_logits_shifted", False):
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    return logits
 
 
 def mdm_rows(model, tok, prompt: list[int], response: list[int], gen_length: int, seed: int):

@@ -26,16 +26,25 @@ def run_script(name: str, *args: str) -> int:
 
 def test_gpu_bench_runs_on_cpu_with_a_tiny_shape(tmp_path):
     assert run_script("gpu_bench.py", "--device", "cpu", "--dtype", "float32", "--shape", "tiny",
-                      "--prompts", "1", "--gen-length", "16", "--batch-sizes", "1,2", "--batch-prompts", "2",
-                      "--out", str(tmp_path)) == 0
+                      "--prompts", "2", "--gen-length", "16", "--batch-sizes", "1,2", "--out", str(tmp_path)) == 0
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     rows = report["rows"]
-    assert [r["decoder"] for r in rows] == ["ar", "refusion"]
+    assert [r["decoder"] for r in rows] == ["ar", "refusion"] and report["skipped"] == []
     for r in rows:
         assert r["forwards"] > 0 and 0.0 <= r["share_outside_forwards"] < 1.0 and r["host_reads_per_iteration"] >= 1
     batches = [(r["decoder"], r["batch_size"]) for r in report["batch_rows"]]
     assert batches == [("ar", 1), ("ar", 2), ("refusion", 1), ("refusion", 2)]
-    assert len({r["tokens"] for r in report["batch_rows"] if r["decoder"] == "ar"}) == 1  # same prompts each size
+    ar_tokens = {r["batch_size"]: r["tokens"] for r in report["batch_rows"] if r["decoder"] == "ar"}
+    assert ar_tokens == {1: 16, 2: 32}  # random weights never emit EOS: every sequence runs to gen_length
+
+
+def test_gpu_bench_skips_what_would_start_after_its_time_limit(tmp_path, capsys):
+    assert run_script("gpu_bench.py", "--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--prompts", "1",
+                      "--gen-length", "8", "--batch-sizes", "1,2", "--time-limit-s", "0", "--out", str(tmp_path)) == 0
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert report["rows"] == [] and report["batch_rows"] == []
+    assert report["skipped"] == ["ar batch 1", "refusion batch 1", "ar batch 2", "refusion batch 2"]
+    assert "skipped after 0 s" in capsys.readouterr().out
 
 
 def write_samples(folder: Path, token_ids: list[list[int]], nfe: list[int]) -> None:

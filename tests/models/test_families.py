@@ -174,6 +174,19 @@ def test_tiny_families_decide_the_backbone(tmp_path, attention, served, refused)
         family.check_decoder(refused)
 
 
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_shifted_mdm_objective_gives_a_shifted_backbone(tmp_path, shift):
+    from refusion.models.build import record_objective
+    from refusion.plugins.objectives import MdmObjective
+
+    tok = make_char_tokenizer()
+    model = build_model(tok, size="micro", attention="causal")  # adapted from an autoregressive model
+    record_objective(model.config, MdmObjective.from_tokenizer(tok, {"shift": shift}))
+    save_pretrained(model, tok, tmp_path / "m")
+    bb = Backbone.from_pretrained(tmp_path / "m")
+    assert bb.family == "tiny-mdm" and bb.attention == "bidirectional" and bb.logits_shifted is shift
+
+
 def test_plain_qwen3_is_autoregressive_only_and_family_override_gives_refusion_ids(tmp_path):
     tok = make_char_tokenizer(with_mask=False)
     torch.manual_seed(0)

@@ -255,6 +255,24 @@ def test_mdm_semi_ar_layout(tok, pairs):
     assert torch.equal(plain.input_ids, off.input_ids) and torch.equal(plain.weights, off.weights)
 
 
+def test_mdm_shift_moves_targets_one_left(tok, pairs):
+    """``shift``: the same draw, each target read one position earlier (Dream's shifted logits), so the
+    answer's first token is scored at the prompt's last position; the input is unchanged."""
+    for options in ({}, {"semi_ar": 1.0, "semi_ar_block": 4}):
+        plain = MdmObjective.from_tokenizer(tok, options).make_batch(pairs, torch.Generator().manual_seed(5))
+        shifted = MdmObjective.from_tokenizer(tok, {**options, "shift": True}).make_batch(
+            pairs, torch.Generator().manual_seed(5))
+        assert torch.equal(plain.input_ids, shifted.input_ids)
+        assert torch.equal(plain.attention_mask, shifted.attention_mask)
+        for name in ("labels", "masked", "weights"):
+            a, b = getattr(plain, name), getattr(shifted, name)
+            assert torch.equal(a[:, 1:], b[:, :-1]), name
+            assert not b[:, -1].ne({"labels": IGNORE, "masked": False, "weights": 0.0}[name]).any(), name
+        P = len(pairs[0][0])
+        if plain.masked[0, P]:
+            assert shifted.masked[0, P - 1] and shifted.labels[0, P - 1] == pairs[0][1][0]
+
+
 def test_block_layout_and_mask(tok, pairs):
     bs = 4
     obj = BlockObjective.from_tokenizer(tok, block_size=bs)

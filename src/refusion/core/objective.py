@@ -34,7 +34,8 @@ class Batch:
     - ``attention_mask``: ``[B, L]`` (1 = real token; causal attention) or ``[B, 1, L, L]`` float additive
       (0 = attend, ``finfo.min`` = blocked) for bidirectional / block-causal attention.
     - ``masked``: ``[B, L]`` bool, True where the input is ``[MASK]`` and the label is the original token
-      at that same position (diffusion targets).
+      at that same position (diffusion targets; an objective with shifted targets marks the position
+      before each ``[MASK]``, whose logits predict it).
     - ``weights``: ``[B, L]`` float, per-token loss weight of the diffusion targets
       (``1 / (p_mask * answer_length)``), 0 elsewhere.
     - ``n_examples``: number of examples (the divisor of the diffusion loss).

@@ -18,6 +18,8 @@ Config keys the rest of the project reads (all stored in ``config.json``):
   model was trained with (the trainer overwrites it with the objective's kind);
 - ``refusion_block_size``: block length of ``block_causal`` models (absent/None otherwise);
 - ``refusion_objective``: name of the last training objective (set by the trainer);
+- ``refusion_logits_shifted``: True when that objective trained shifted targets (the ``mdm`` objective's
+  ``shift``: logits at position i predict token i + 1, as Dream's do);
 - ``refusion_base_vocab_size``: on a stand-in made by :func:`widen_vocabulary`, the vocabulary it was
   widened from (ids at or above it are the new, never-produced ones).
 """
@@ -73,6 +75,7 @@ def record_objective(config: Any, objective: Any) -> None:
     the objective's name (``refusion_objective``)."""
     set_attention(config, objective.attention, getattr(objective.options, "block_size", None))
     config.refusion_objective = objective.name
+    config.refusion_logits_shifted = bool(getattr(objective.options, "shift", False))
 
 
 def make_config(

@@ -336,7 +336,8 @@ def backbone_kwargs(family: Family, model: Any, tokenizer: Any) -> dict[str, Any
         )
     return dict(
         mask_id=mask_id, mask_required=family.mask_required, eos_ids=family.resolve_eos_ids(model.config, tokenizer, vocab),
-        attention=family.attention, logits_shifted=family.logits_shifted, family=family.name,
+        attention=family.attention, family=family.name,
+        logits_shifted=family.logits_shifted or bool(getattr(model.config, "refusion_logits_shifted", False)),
     )
 
 

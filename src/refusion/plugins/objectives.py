@@ -349,6 +349,10 @@ class MdmObjective(MaskedDiffusionObjective):
         semi_ar: float = Field(default=0.0, ge=0.0, le=1.0)
         #: the block length of those examples (the decoder's ``block_length``)
         semi_ar_block: int = Field(default=32, ge=1)
+        #: Dream's shifted targets: the logits at position i predict token i + 1, at [MASK] inputs too, so a
+        #: model adapted from an autoregressive one keeps its next-token head (recorded in the checkpoint's
+        #: ``refusion_logits_shifted``; the LLaDA-style decoder shifts its logits back)
+        shift: bool = False
 
     def make_batch(self, pairs: list[Pair], generator: torch.Generator) -> Batch:
         R_max = max(len(r) for _, r in pairs)
@@ -370,6 +374,8 @@ class MdmObjective(MaskedDiffusionObjective):
             w = 1.0 / (p * span)  # each example's weights sum to 1 in expectation
             wts.append([0.0] * P + [w if m else 0.0 for m in scored])
             pm.append(p)
+            if self.options.shift:  # the target of position j is read at position j - 1
+                lab[-1], msk[-1], wts[-1] = lab[-1][1:] + [IGNORE], msk[-1][1:] + [False], wts[-1][1:] + [0.0]
         L = max(len(r) for r in ids)
         B = len(pairs)
         valid = torch.tensor([[True] * len(r) + [False] * (L - len(r)) for r in ids])
