@@ -255,6 +255,32 @@ def test_mdm_semi_ar_layout(tok, pairs):
     assert torch.equal(plain.input_ids, off.input_ids) and torch.equal(plain.weights, off.weights)
 
 
+def test_mdm_semi_ar_suffix_masks_the_block_from_a_drawn_position(tok, pairs):
+    """``semi_ar_suffix=1``: the block is clean up to a drawn position and [MASK] from there, every later
+    token [MASK]; each example's weights sum to exactly 1. ``semi_ar_suffix=0`` draws as before."""
+    block = 4
+    obj = MdmObjective.from_tokenizer(tok, {"semi_ar": 1.0, "semi_ar_block": block, "semi_ar_suffix": 1.0})
+    R_max = max(len(r) for _, r in pairs)
+    cuts = set()
+    for seed in range(20):
+        b = obj.make_batch(pairs, torch.Generator().manual_seed(seed))
+        for i, (p, _) in enumerate(pairs):
+            P = len(p)
+            shown = (b.input_ids[i, P:P + R_max] == tok.mask_token_id).tolist()
+            scored = b.masked[i, P:P + R_max]
+            cut = shown.index(True)
+            end = min(cut // block * block + block, R_max)
+            cuts.add(cut % block)
+            assert all(shown[cut:])  # one run of [MASK] from the cut to the end
+            assert scored.nonzero().flatten().tolist() == list(range(cut, end))
+            assert abs(float(b.weights[i].sum()) - 1.0) < 1e-5
+    assert len(cuts) > 2  # the cut is drawn inside the block
+    before = MdmObjective.from_tokenizer(tok, {"semi_ar": 1.0, "semi_ar_block": block})
+    off = MdmObjective.from_tokenizer(tok, {"semi_ar": 1.0, "semi_ar_block": block, "semi_ar_suffix": 0.0})
+    a, c = (o.make_batch(pairs, torch.Generator().manual_seed(3)) for o in (before, off))
+    assert torch.equal(a.input_ids, c.input_ids) and torch.equal(a.weights, c.weights)
+
+
 def test_mdm_shift_moves_targets_one_left(tok, pairs):
     """``shift``: the same draw, each target read one position earlier (Dream's shifted logits), so the
     answer's first token is scored at the prompt's last position; the input is unchanged."""

@@ -349,6 +349,9 @@ class MdmObjective(MaskedDiffusionObjective):
         semi_ar: float = Field(default=0.0, ge=0.0, le=1.0)
         #: the block length of those examples (the decoder's ``block_length``)
         semi_ar_block: int = Field(default=32, ge=1)
+        #: share of those examples whose block is masked from a uniformly drawn position on (its earlier
+        #: tokens clean), as a left-to-right decode of the block sees it, instead of token by token
+        semi_ar_suffix: float = Field(default=0.0, ge=0.0, le=1.0)
         #: Dream's shifted targets: the logits at position i predict token i + 1, at [MASK] inputs too, so a
         #: model adapted from an autoregressive one keeps its next-token head (recorded in the checkpoint's
         #: ``refusion_logits_shifted``; the LLaDA-style decoder shifts its logits back)
@@ -366,7 +369,7 @@ class MdmObjective(MaskedDiffusionObjective):
             masked = (torch.rand(len(response), generator=generator, dtype=torch.float64) < p).tolist()
             scored, span = masked, len(response)
             if self.options.semi_ar and float(torch.rand(1, generator=generator, dtype=torch.float64)) < self.options.semi_ar:
-                masked, scored, span = self._semi_ar_layout(masked, generator)
+                masked, scored, span, p = self._semi_ar_layout(masked, p, generator)
             P = len(prompt)
             ids.append(list(prompt) + [self.mask_id if m else tok for tok, m in zip(response, masked)])
             lab.append([IGNORE] * P + [tok if m else IGNORE for tok, m in zip(response, scored)])
@@ -391,20 +394,25 @@ class MdmObjective(MaskedDiffusionObjective):
             meta={"p_mask": pm, "n_tokens": int(valid.sum())},
         )
 
-    def _semi_ar_layout(self, masked: list[bool], generator: torch.Generator) -> tuple[list[bool], list[bool], int]:
+    def _semi_ar_layout(self, masked: list[bool], p: float, generator: torch.Generator) -> tuple[list[bool], list[bool], int, float]:
         """What a semi-autoregressive decode shows at a step of block ``b`` (drawn uniformly): blocks before
-        ``b`` clean, block ``b`` masked as drawn (``masked``), every later token ``[MASK]``. Returns the
-        input's mask, the scored targets (block ``b``'s masked tokens only: the decoder commits nothing
-        beyond its block) and the block's length."""
+        ``b`` clean, block ``b`` masked as drawn (``masked``; with probability ``semi_ar_suffix`` from a
+        uniformly drawn position to its end instead), every later token ``[MASK]``. Returns the input's
+        mask, the scored targets (block ``b``'s masked tokens only: the decoder commits nothing beyond its
+        block), the block's length and its share of masked tokens (``p`` unless masked as a suffix)."""
         L = self.options.semi_ar_block
         n_blocks = -(-len(masked) // L)
         start = L * int(torch.randint(n_blocks, (1,), generator=generator))
         end = min(start + L, len(masked))
-        if not any(masked[start:end]):  # at least one target in the block
+        if self.options.semi_ar_suffix and float(torch.rand(1, generator=generator, dtype=torch.float64)) < self.options.semi_ar_suffix:
+            cut = start + int(torch.randint(end - start, (1,), generator=generator))
+            masked = [j >= cut for j in range(len(masked))]
+            p = (end - cut) / (end - start)
+        elif not any(masked[start:end]):  # at least one target in the block
             masked = masked[:start] + [True] + masked[start + 1:]
         in_block = [start <= j < end for j in range(len(masked))]
         shown = [j >= end or (b and m) for j, (b, m) in enumerate(zip(in_block, masked))]
-        return shown, [b and m for b, m in zip(in_block, masked)], end - start
+        return shown, [b and m for b, m in zip(in_block, masked)], end - start, p
 
 
 class BlockObjective(MaskedDiffusionObjective):
