@@ -140,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                     "gen_length": a.gen_length, "rows": [], "batch_rows": [], "skipped": []}
     a.out.mkdir(parents=True, exist_ok=True)
 
+    rows: dict[str, dict] = {}  # decoder -> its batch-1 figures
+    batch: dict[tuple[str, int], dict] = {}  # (decoder, batch size) -> its throughput
+
     def save() -> None:
+        report["rows"], report["batch_rows"] = list(rows.values()), list(batch.values())
         (a.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
 
     def run(part: str, work) -> bool:
@@ -153,14 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         save()
         return True
 
-    rows: dict[str, dict] = {}
     for name in CONFIGS:
         run(f"{name} batch 1", lambda name=name: rows.setdefault(name, measure(backbone, name, a.gen_length, ids[:a.prompts])))
     for name in rows:
         run(f"{name} time outside forwards", lambda name=name: rows[name].update(
             share_outside_forwards=share_outside_forwards(backbone, name, a.gen_length, ids[:a.prompts])))
-    report["rows"] = list(rows.values())
-    save()
     print(f"random Qwen3 ({a.shape} shape), {a.dtype}, {device}, {a.prompts} prompts, gen_length {a.gen_length}")
     print("| decoder | tok/s (median) | x AR | forwards | iterations | host reads / iteration | time outside forwards |")
     print("|---|---|---|---|---|---|---|")
@@ -169,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         outside = f"{100 * r['share_outside_forwards']:.1f}%" if "share_outside_forwards" in r else "skipped"
         print(f"| {r['decoder']} | {r['tokens_per_second_median']:.1f} | {r['tokens_per_second_median'] / ar_rate:.2f} | "
               f"{r['forwards']} | {r['iterations']} | {r['host_reads_per_iteration']:.2f} | {outside} |")
-    batch: dict[tuple[str, int], dict] = {}
     for name in CONFIGS:
         for size in sizes:
             if size == 1 and name in rows:  # the first pass decoded the first prompt alone
@@ -178,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run(f"{name} batch {size}", lambda name=name, size=size: batch.__setitem__(
                     (name, size), measure_batch(backbone, name, a.gen_length, ids[:size])))
-            report["batch_rows"] = list(batch.values())
     save()
     if sizes:
         print("\nthroughput against batch size (the first s prompts in one batch, aggregate tokens/s)")
