@@ -53,6 +53,24 @@ def test_printed_block_is_valid_bench_yaml(tmp_path, capsys):
     assert cfg["selector"] == {"name": "threshold", "slot_threshold": 0.99}  # merged into the shared selector
 
 
+def test_the_printed_row_is_the_grid_decoder(tmp_path, capsys):
+    """A grid over another decoder (here llada) prints its picks under that row, not under ``refusion``."""
+    import json
+
+    import yaml
+
+    from refusion.experiments.tune import main
+
+    grid = {"name": "g", "title": "t", "tasks": ["arith"], "runs": [{"label": "ar", "decoder": "ar"}],
+            "grid": {"decoder": "llada", "axes": {"block_length": [8], "selector.threshold": [0.99]}}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    rows = [r("arith", "ar", 0.9, 100), r("arith", "g", 0.8, 200, block_length=8, **{"selector.threshold": 0.99})]
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    assert main([str(tmp_path), "--config", str(tmp_path / "grid.yaml")]) == 0
+    block = yaml.safe_load(capsys.readouterr().out)
+    assert block["tasks"]["arith"] == {"llada": {"block_length": 8, "selector": {"threshold": 0.99}}}
+
+
 def test_results_from_another_grid_are_refused(tmp_path, capsys):
     """Picks from a results.json whose rows lack one of --config's axes: exit 2 naming the axis, no block."""
     import json

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             node[leaf] = value
         print(f"  {task}:  # {r['run']}: acc {100 * r['accuracy']:.1f}% vs {a.baseline} "
               f"{100 * base[task]['accuracy']:.1f}%, {r['tokens_per_second']:.1f} tok/s, TPF {r['tpf']:.2f}")
-        print(f"    refusion: {json.dumps(knobs)}")
+        print(f"    {grid.decoder}: {json.dumps(knobs)}")
     return 0
 
 
