@@ -1,4 +1,4 @@
-"""Pick ReFusion's per-task bench settings from a validation-split grid (``tune_refusion.yaml``).
+"""Pick a bench row's per-task settings from a validation-split grid (``tune_refusion.yaml``, ``docs/tune_llada.yaml``).
 
 Rule (docs/bench.md): per task, the fastest run (tokens/s) whose validation accuracy is within
 ``tolerance`` of the baseline's (AR greedy, same run); if none is, the most accurate run (ties: the
