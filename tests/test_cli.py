@@ -62,3 +62,16 @@ def test_eval_batch_size_zero_is_refused_before_loading(capsys):
     pytest.importorskip("lm_eval")
     assert main(["eval", "--model", "no-such-model", "--tasks", "x", "--batch-size", "0"]) == 2
     assert "batch_size: must be a positive integer or 'auto', got 0" in capsys.readouterr().err
+
+
+def test_train_grow_layers_saves_the_deeper_model_and_refuses_a_shallower_one(tmp_path, capsys):
+    from refusion.models.loading import load_pretrained
+
+    run = ["train", "--objective", "mdm", "--init", "scratch", "--size", "micro", "--steps", "1", "--batch-size",
+           "2", "--limit", "8", "--threads", "1", "--no-progress"]
+    assert main(run + ["--out", str(tmp_path / "deep"), "--grow-layers", "3"]) == 0
+    assert load_pretrained(tmp_path / "deep")[0].config.num_hidden_layers == 3
+    with pytest.raises(SystemExit) as exit_info:
+        main(run + ["--out", str(tmp_path / "never"), "--grow-layers", "2"])
+    assert exit_info.value.code == 2
+    assert "--grow-layers: num_layers must exceed the model's 2 layers" in capsys.readouterr().err

@@ -73,3 +73,34 @@ def test_save_load_round_trip(char_tokenizer, tmp_path):
     with torch.no_grad():
         assert torch.isfinite(loaded(input_ids=ids).logits).all()
     assert loaded.get_input_embeddings().weight.data_ptr() == loaded.get_output_embeddings().weight.data_ptr()
+
+
+def test_deepen_computes_what_the_model_computed_and_its_new_layers_train(char_tokenizer, tmp_path):
+    """Two micro layers grown to five (copies spread 2 + 1): identical logits with and without a KV cache,
+    the cache indices renumbered, gradients reach the zeroed writers, and the depth survives a save."""
+    from transformers import DynamicCache
+
+    from refusion.models.build import deepen
+
+    model = build_model(char_tokenizer, "micro", seed=3)
+    ids = torch.randint(4, len(char_tokenizer), (2, 12))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    deepen(model, 5)
+    assert model.config.num_hidden_layers == 5 and len(model.model.layers) == 5
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3, 4]
+    assert len(model.config.layer_types) == 5
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :8], cache=cache)
+        step = model(input_ids=ids[:, 8:], cache=cache).logits
+    assert len(cache.layers) == 5
+    torch.testing.assert_close(step, before[:, 8:], rtol=1e-4, atol=1e-5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    for new in (1, 2, 4):  # the copies: the originals sit at 0 and 3
+        assert model.model.layers[new].mlp.down_proj.weight.grad.abs().sum() > 0
+    save_pretrained(model, char_tokenizer, tmp_path / "deep")
+    assert load_pretrained(tmp_path / "deep")[0].config.num_hidden_layers == 5
+    with pytest.raises(ValueError, match="must exceed the model's 5 layers"):
+        deepen(model, 5)

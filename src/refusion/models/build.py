@@ -26,6 +26,7 @@ Config keys the rest of the project reads (all stored in ``config.json``):
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,42 @@ def build_model(
         torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     return model.float()
+
+
+def deepen(model: Qwen3ForCausalLM, num_layers: int) -> Qwen3ForCausalLM:
+    """Grow ``model`` in place to ``num_layers`` decoder layers without changing what it computes.
+
+    Each new layer is a copy of the layer before it with its two residual writers (the attention's
+    ``o_proj`` and the MLP's ``down_proj``) zeroed, so it adds nothing to the residual stream until
+    training moves those weights; the copies are spread evenly (layer i gets ``extra // L`` copies, one
+    more for the first ``extra % L`` layers). Returns ``model`` with ``num_hidden_layers`` (and
+    ``layer_types``) updated and every layer's cache index renumbered."""
+    layers = model.model.layers
+    old = len(layers)
+    if num_layers <= old:
+        raise ValueError(f"num_layers must exceed the model's {old} layers; got {num_layers}")
+    extra = num_layers - old
+    copies_after = [extra // old + (1 if i < extra % old else 0) for i in range(old)]
+    grown: list[torch.nn.Module] = []
+    for layer, copies in zip(layers, copies_after):
+        grown.append(layer)
+        for _ in range(copies):
+            twin = copy.deepcopy(layer)
+            with torch.no_grad():
+                for writer in (twin.self_attn.o_proj, twin.mlp.down_proj):
+                    writer.weight.zero_()
+                    if writer.bias is not None:
+                        writer.bias.zero_()
+            grown.append(twin)
+    for index, layer in enumerate(grown):
+        layer.self_attn.layer_idx = index
+    model.model.layers = torch.nn.ModuleList(grown)
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types:
+        origin = [i for i, copies in enumerate(copies_after) for _ in range(1 + copies)]
+        model.config.layer_types = [layer_types[i] for i in origin]
+    model.config.num_hidden_layers = num_layers
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -64,6 +64,9 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=512, help="drop examples longer than this (tokens)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="objective option")
+    p.add_argument("--grow-layers", type=int, default=None, metavar="N",
+                   help="grow the --init model to N decoder layers first: copies of its layers whose residual "
+                        "writers are zero, so it starts computing exactly what --init computes")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
@@ -143,7 +146,7 @@ def run_train(args: argparse.Namespace) -> int:
     import torch
 
     from refusion.core.registry import PluginError, get_registry
-    from refusion.models.build import build_model
+    from refusion.models.build import build_model, deepen
     from refusion.models.loading import load_pretrained
     from refusion.training.data import load_pairs
     from refusion.training.trainer import TrainConfig, Trainer
@@ -179,6 +182,11 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         model, tokenizer = load_pretrained(args.init, attn_implementation=args.attn_implementation)
         objective = cls.from_tokenizer(tokenizer, options)
+    if args.grow_layers is not None:
+        try:
+            deepen(model, args.grow_layers)
+        except ValueError as exc:
+            _error(args, f"--grow-layers: {exc}")
     max_len = min(args.max_length, int(getattr(model.config, "max_position_embeddings", args.max_length)))
     train_pairs = load_pairs(args.data, tokenizer, "train", max_length=max_len, limit=args.limit)
     val_pairs = load_pairs(args.data, tokenizer, "validation", max_length=max_len)
