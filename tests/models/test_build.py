@@ -104,3 +104,5 @@ def test_deepen_computes_what_the_model_computed_and_its_new_layers_train(char_t
     assert load_pretrained(tmp_path / "deep")[0].config.num_hidden_layers == 5
     with pytest.raises(ValueError, match="must exceed the model's 5 layers"):
         deepen(model, 5)
+    with pytest.raises(ValueError, match="Linear is not a Qwen3-style decoder"):
+        deepen(torch.nn.Linear(2, 2), 3)

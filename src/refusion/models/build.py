@@ -138,7 +138,11 @@ def deepen(model: Qwen3ForCausalLM, num_layers: int) -> Qwen3ForCausalLM:
     training moves those weights; the copies are spread evenly (layer i gets ``extra // L`` copies, one
     more for the first ``extra % L`` layers). Returns ``model`` with ``num_hidden_layers`` (and
     ``layer_types``) updated and every layer's cache index renumbered."""
-    layers = model.model.layers
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "o_proj")
+                                 and hasattr(getattr(layer, "mlp", None), "down_proj") for layer in layers):
+        raise ValueError(f"{type(model).__name__} is not a Qwen3-style decoder (model.layers with self_attn.o_proj "
+                         "and mlp.down_proj); only those can be grown")
     old = len(layers)
     if num_layers <= old:
         raise ValueError(f"num_layers must exceed the model's {old} layers; got {num_layers}")
