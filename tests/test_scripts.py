@@ -88,3 +88,24 @@ def test_head_vs_normalisation_prints_a_row_per_width(capsys):
             and line[2].isdigit()]
     assert [r[0].strip() for r in rows] == ["16", "32"]
     assert all(0.0 < float(r[4].strip().rstrip("%")) < 100.0 for r in rows)
+
+
+def test_paired_runs_pairs_two_runs_and_classifies_where_misses_start(tmp_path, capsys):
+    ref = "Ann has 9 + 10 = 19 eggs.\nTotal: 19 + 4 = 23.\n#### 23"
+    outputs = {  # idx: (ar, A, B) completions; A misses 0 (tens digit, Total line) and 1, B misses 1
+        0: (ref, ref.replace("= 23", "= 33"), ref),
+        1: (ref, ref.replace("= 19 eggs", "= 18 eggs"), ref.replace("= 19 eggs", "= 18 eggs")),
+        2: (ref, ref, ref),
+    }
+    with (tmp_path / "samples.jsonl").open("w") as f:
+        for idx, completions in outputs.items():
+            for run, text in zip(("ar", "A", "B"), completions):
+                f.write(json.dumps({"run": run, "task": "arith", "idx": idx, "completion": text,
+                                    "correct": text == ref}) + "\n")
+    assert run_script("paired_runs.py", str(tmp_path), "A", "B") == 0
+    out = capsys.readouterr().out
+    assert "arith: B - A = +33.3 [" in out and "n 3" in out
+    assert "A: 2 misses where ar is right; first difference in the Total: line 1, only in a tens digit 1" in out
+    assert "B: 1 misses where ar is right; first difference in the Total: line 0, only in a tens digit 0" in out
+    assert run_script("paired_runs.py", str(tmp_path), "A", "C") == 2
+    assert "no sample of task 'arith' holds both runs 'A' and 'C'" in capsys.readouterr().err
