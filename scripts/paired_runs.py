@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import sys
 from pathlib import Path
 
+from refusion.experiments.records import load_records
 from refusion.experiments.stats import paired_accuracy
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", default="ar", help="the run whose outputs the misses are compared with")
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (default: every task in the folder)")
     args = ap.parse_args(argv)
-    rows = [json.loads(line) for line in (args.run_dir / "samples.jsonl").read_text().splitlines() if line]
+    rows = load_records(args.run_dir / "samples.jsonl")
     by_key = {(r["run"], r["task"], r["idx"]): r for r in rows}
     tasks = args.tasks.split(",") if args.tasks else sorted({r["task"] for r in rows})
     for task in tasks:
