@@ -81,6 +81,17 @@ def test_every_ablation_the_docs_run_is_a_valid_config_on_each_of_its_tasks(path
             validate_config(run.configs[task])
 
 
+@pytest.mark.parametrize("path", sorted((DOCS_DIR / "bench_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_bench_config_the_docs_name_is_valid_on_each_of_its_tasks(path):
+    """The bench configs that docs ablations name as ``bench_config:`` decode every configured row on every task."""
+    from refusion.experiments.bench import bench_runs, load_bench_config
+
+    cfg = load_bench_config(path)
+    for run in bench_runs(cfg, list(cfg.models), list(cfg.tasks)):
+        for task, config in run.configs.items():
+            validate_config(config)
+
+
 def test_plots_are_byte_identical_when_redrawn(tmp_path):
     """Regenerating docs from the same results must not churn the committed figures (no ids, no dates)."""
     from refusion.experiments.ablate import PlotSpec, plot
