@@ -161,6 +161,33 @@ def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, m
     assert "| 2.0 min |" in text
 
 
+def test_only_keeps_the_sections_of_the_existing_page_whose_results_are_gone(tmp_path, monkeypatch):
+    """A page written by an earlier run (its OUT folder lost): --only kv_cache rewrites kv_cache and keeps
+    slot_size's section, summary row and decode time, dated by the earlier page; a kept section whose
+    models' weights changed since is refused."""
+    import sys
+
+    monkeypatch.setattr(results, "machine", lambda: "new box")
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
+    code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'results.json').write_text(sys.argv[2])"
+    monkeypatch.setattr(results, "ablation_command",
+                        lambda name, out, limit, resume, device: [sys.executable, "-c", code, str(out), json.dumps(rows)])
+    doc = tmp_path / "results.md"
+    results.run_all(tmp_path / "first", doc, ["kv_cache", "slot_size"], jobs=2)
+    first = doc.read_text()
+    slot_size = first[first.index('<a id="slot_size"></a>'):]
+    monkeypatch.setattr(results, "machine", lambda: "newer box")
+    monkeypatch.setattr(results, "models_used", lambda name: ["tiny-x"])
+    text = results.run_all(tmp_path / "second", doc, ["kv_cache"], jobs=2)
+    assert text.endswith(slot_size.rstrip("\n")) and "Ran " in slot_size and "on new box." in slot_size
+    assert text.count("on newer box.") == 1 and 'id="kv_cache"' in text
+    assert "(slot_size) name their own date and machine" in text and "(each section gives the date it ran)" in text
+    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 9876543210")  # retrained since
+    with pytest.raises(RuntimeError, match="section 'slot_size' decoded tiny-x with weights that have changed"):
+        results.run_all(tmp_path / "third", doc, ["kv_cache"], jobs=2)
+
+
 def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
     """0% vs 0% on arith, or 30% vs 25% on four-option facts, cannot confirm an accuracy claim."""
     rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),

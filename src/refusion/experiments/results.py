@@ -3,7 +3,10 @@
 Runs each ablation config of ``experiments/configs/`` (all but the validation-split tuning grid) with
 the same engine as ``refusion ablate`` into ``OUT/<name>/`` (resumable: ``--resume`` skips finished
 samples), times each, draws its plots next to the document and writes one markdown page: the command,
-the machine, per ablation its table, figures, the paper's own finding beside it and a verdict.
+the machine, per ablation its table, figures, the paper's own finding beside it and a verdict. Each
+section says when and on which machine it ran: ``--only`` reruns some analyses, and one with no results
+in ``OUT`` keeps its section of the existing page, unless a checkpoint it decodes has changed since (then
+it must be rerun too).
 
 Verdicts are rules over the measured rows, never typed by hand, so a rerun rewrites them:
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -372,10 +376,68 @@ def shipped_models() -> str:
     return ", ".join(out)
 
 
-def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: int = 1) -> str:
+MODEL_HASH = re.compile(r"`([\w.-]+)` ([0-9a-f]{10})")
+
+
+@dataclass
+class KeptSection:
+    """An analysis's section of an existing page, kept when a run writes the page without its results."""
+
+    summary_row: str  # its row of the page's summary table
+    text: str  # from its anchor to the next section's
+    minutes: float  # its decode time
+
+
+def kept_sections(doc: Path, wanted: list[str], models_used: Callable[[str], list[str]]) -> dict[str, KeptSection]:
+    """The sections of the analyses ``wanted`` on the page at ``doc`` (those it has), by analysis name, each with its "Ran <date> on
+    <machine>" line (a section from before sections carried one gets the page header's date and machine). ``models_used(name)`` names the
+    checkpoints an analysis decodes with: a section whose checkpoints' weights changed since the page was
+    written is stale and raises ``RuntimeError`` (rerun it with ``--only``)."""
+    if not doc.is_file():
+        return {}
+    text = doc.read_text()
+    head, _, body = text.partition('<a id="')
+    written = re.search(r"^- Written (\d{4}-\d\d-\d\d \d\d:\d\d UTC)", head, re.M)
+    machine_line = re.search(r"^- Machine: (.+)$", head, re.M)
+    page_machine = machine_line.group(1) if machine_line else "an unrecorded machine."
+    models_line = re.search(r"^- Written .*$", head, re.M)
+    page_hashes = dict(MODEL_HASH.findall(models_line.group(0))) if models_line else {}
+    now_hashes = dict(MODEL_HASH.findall(shipped_models()))
+    kept = {}
+    for chunk in ('<a id="' + body).split('<a id="')[1:]:
+        name = chunk.split('"', 1)[0]
+        if name not in wanted:
+            continue
+        section = '<a id="' + chunk.rstrip("\n")
+        row = next((line for line in head.splitlines() if f"](#{name})" in line), None)
+        if row is None:
+            continue
+        changed = [m for m in models_used(name) if m in page_hashes and page_hashes[m] != now_hashes.get(m)]
+        if changed:
+            raise RuntimeError(f"{doc}: section {name!r} decoded {', '.join(changed)} with weights that have changed "
+                               f"since; rerun it (--only {name})")
+        if not re.search(r"^Ran \d{4}-", section, re.M):
+            command_line = re.search(r"^`refusion ablate .*$", section, re.M)
+            ran = f"Ran {written.group(1) if written else 'at an unrecorded time'} on {page_machine}"
+            section = section[:command_line.end()] + "\n\n" + ran + section[command_line.end():]
+        minutes = float(re.search(r"\| ([\d.]+) min \|$", row).group(1))
+        kept[name] = KeptSection(summary_row=row, text=section, minutes=minutes)
+    return kept
+
+
+def models_used(name: str) -> list[str]:
+    """The checkpoints the shipped ablation ``name`` decodes with."""
+    from refusion.experiments.ablate import build_runs
+
+    return sorted({run.model for run in build_runs(load_ablation(name + ".yaml"))})
+
+
+def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: int = 1,
+                   kept: dict[str, KeptSection] | None = None) -> str:
     """Write ``doc`` from ``OUT/<name>/results.json``, ``samples.jsonl`` and plots; return its text. An
     analysis's time is its decode time: the wall seconds of its samples' decodes, summed (a resumed or
-    interrupted run counts every sample once; model loading and plots are not counted)."""
+    interrupted run counts every sample once; model loading and plots are not counted). An analysis in
+    ``kept`` (from :func:`kept_sections`) keeps its section and summary row as they were."""
     import torch
 
     from refusion.experiments.records import load_records
@@ -386,7 +448,17 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
     claims = {c.ablation: c for c in CLAIMS}
     sections, summary = [], []
     total_seconds = 0.0
+    kept = kept or {}
+    now = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    run_note = f"{machine()}." + (f" The ablations ran in {jobs} one-thread worker processes at once, sharing the "
+                                  "machine." if jobs > 1 else
+                                  " The ablations ran one after another in one process "
+                                  f"({torch.get_num_threads()} torch threads).")
     for name in names:
+        if name in kept:
+            summary.append(kept[name].summary_row)
+            sections.append(kept[name].text)
+            continue
         rows = json.loads((out / name / "results.json").read_text())
         records = load_records(out / name / "samples.jsonl")
         attach_samples(rows, records)
@@ -408,7 +480,8 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
         extra = list(cfg.grid.axes) if cfg.grid else []
         sec = [f'<a id="{name}"></a>', f"## {cfg.title or name}", "",
                f"`refusion ablate {name}.yaml` ({cfg.split} split, {rows[0]['n'] if rows else 0} samples per task"
-               f"{f', speed-up over `{cfg.baseline}`' if cfg.baseline else ''}; {minutes:.1f} min of decoding).", ""]
+               f"{f', speed-up over `{cfg.baseline}`' if cfg.baseline else ''}; {minutes:.1f} min of decoding).", "",
+               f"Ran {now} on {run_note}", ""]
         if claim:
             sec += [f"**Paper.** {claim.paper}", "", f"**Tested here.** {claim.claim}: **{word}**.", ""]
             sec += [f"- {w}" for w in why] + [""]
@@ -422,17 +495,22 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
             sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]
         sections.append("\n".join(sec))
     wall = f"; in {jobs} workers at once, about {total_seconds / 60 / jobs:.0f} min of wall time" if jobs > 1 else ""
+    kept_names = [n for n in names if n in kept]
+    kept_minutes = sum(kept[n].minutes for n in kept_names)
     decode_time = (
         f"- Decode time: the wall seconds of an analysis's decodes, summed (model loading and plots not counted; "
-        f"a resumed run counts each sample once). This page's decodes took {total_seconds / 60:.0f} min{wall}.")
+        f"a resumed run counts each sample once). " + (
+            f"This page's decodes took {total_seconds / 60:.0f} min{wall}." if not kept_names else
+            f"This page's decodes took {(total_seconds / 60 + kept_minutes):.0f} min: {total_seconds / 60:.0f} min "
+            f"in this run{wall}, {kept_minutes:.0f} min in the earlier runs that wrote the kept sections."))
+    kept_note = (f" The sections kept from an earlier run of this page ({', '.join(kept_names)}) name their own "
+                 "date and machine." if kept_names else "")
     lines = ["# Results: the paper's analyses on the tiny models", "",
              f"Generated by `{command}` (`src/refusion/experiments/results.py`); do not edit by hand.", "",
-             f"- Machine: {machine()}." + (f" The ablations ran in {jobs} one-thread worker processes at once, "
-                                           "sharing the machine." if jobs > 1 else
-                                           f" The ablations ran one after another in one process "
-                                           f"({torch.get_num_threads()} torch threads)."),
+             f"- Machine: {run_note}{kept_note}",
              decode_time,
-             f"- Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; models: the shipped checkpoints "
+             f"- Written {now}{' (each section gives the date it ran)' if kept_names else ''}; "
+             "models: the shipped checkpoints "
              f"({shipped_models()}); split: test; decoder settings: `configs/bench.yaml` plus each run's overrides.",
              "- Accuracies are compared paired, on the samples both runs decoded, by the 95% paired-bootstrap "
              "interval of their difference: \"at least as accurate\" holds when its lower end is above -5 points "
@@ -483,8 +561,9 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
             runtime: RuntimeOptions | None = None, command: str = "refusion results", jobs: int = 1,
             run: bool = True) -> str:
     """Run the ablations ``names`` (default all; in this process, or in ``jobs`` worker processes) and write
-    ``doc`` from every ablation with results in ``OUT`` (so ``--only`` reruns some and keeps the others'
-    sections); with ``run=False`` only rewrite ``doc`` from ``OUT`` (after a change to the verdict rules).
+    ``doc`` from every ablation with results in ``OUT`` and, for the others, the existing page's sections
+    (so ``--only`` reruns some and keeps the rest); with ``run=False`` only rewrite ``doc`` from ``OUT`` (after
+    a change to the verdict rules).
     Run times live in ``OUT/timings.json``: a resumed run adds to an ablation's, a fresh one replaces it."""
     everything = [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
     names = names or everything
@@ -497,7 +576,9 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
         missing = [n for n in names if not (out / n / "results.json").is_file()]
         if missing:
             raise RuntimeError(f"--doc-only: no results.json for {missing} in {out}; run them first")
-        return write_document(out, doc, names, command, jobs)
+    documented, kept = _documented(out, doc, names, everything)  # a stale kept section fails before the run
+    if not run:
+        return write_document(out, doc, documented, command, jobs, kept)
     out.mkdir(parents=True, exist_ok=True)
     if jobs > 1:
         _run_workers(names, out, limit, resume, runtime, jobs, timings, timing_file)
@@ -507,8 +588,15 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
             run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, runtime=runtime)
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its share
             timing_file.write_text(json.dumps(timings, indent=1))
-    documented = [n for n in everything if n in names or (out / n / "results.json").is_file()]
-    return write_document(out, doc, documented, command, jobs)
+    return write_document(out, doc, documented, command, jobs, kept)
+
+
+def _documented(out: Path, doc: Path, names: list[str], everything: list[str]) -> tuple[list[str], dict]:
+    """The analyses the page shows: those run now or with results in ``OUT``, and the sections of the
+    existing page for the rest (kept as they were)."""
+    with_results = [n for n in everything if n in names or (out / n / "results.json").is_file()]
+    kept = kept_sections(doc, [n for n in everything if n not in with_results], models_used)
+    return [n for n in everything if n in with_results or n in kept], kept
 
 
 def add_results_command(sub) -> None:
