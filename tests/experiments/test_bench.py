@@ -5,7 +5,9 @@ import json
 import pytest
 import yaml
 
+from refusion.core.config import ConfigError
 from refusion.experiments.bench import run_bench
+from refusion.experiments.records import load_records
 from refusion.experiments.runner import Run, summarize
 from refusion.models.loading import save_pretrained
 from refusion.tasks import get_task
@@ -323,3 +325,34 @@ def test_the_shipped_paper_rows_run_the_papers_algorithms():
         assert paper.split_threshold is None and paper.remasker.name == "none" and paper.serial_blocks == 1
         _, llada, _ = validate_config(cfg.decoder_config(task, "llada-paper", get_task(task).max_new_tokens))
         assert llada.kv_cache == "none" and llada.selector.name == "topk_per_step" and llada.steps is None
+
+
+def test_jobs_decode_each_sample_once_with_the_ids_of_one_process_and_resume(tmp_path, bench_config):
+    """--jobs 2: two worker processes, the joined samples.jsonl in task / sample / row order with the token
+    ids of a one-process run; a run that lost samples resumes with another worker count."""
+    args = dict(tasks=["facts"], decoders=["ar", "refusion"], limit=3, config=str(bench_config))
+    one = run_bench(**args, out=tmp_path / "one")
+    two = run_bench(**args, out=tmp_path / "two", jobs=2)
+    assert [(r["run"], r["n"], r["accuracy"], r["tpf"]) for r in two] == \
+        [(r["run"], r["n"], r["accuracy"], r["tpf"]) for r in one]
+    ids = {(r["run"], r["idx"]): r["token_ids"] for r in load_records(tmp_path / "one" / "samples.jsonl")}
+    joined = load_records(tmp_path / "two" / "samples.jsonl")
+    assert [(r["idx"], r["run"]) for r in joined] == [(i, run) for i in range(3) for run in ("ar", "refusion")]
+    assert {(r["run"], r["idx"]): r["token_ids"] for r in joined} == ids
+    assert not (tmp_path / "two" / "shards").exists()
+    with pytest.raises(ConfigError, match="--resume"):
+        run_bench(**args, out=tmp_path / "two", jobs=2)
+    lines = (tmp_path / "two" / "samples.jsonl").read_text().splitlines()
+    (tmp_path / "two" / "samples.jsonl").write_text("\n".join(lines[:2]) + "\n")  # lost samples 1 and 2
+    resumed = run_bench(**args, out=tmp_path / "two", jobs=3, resume=True)
+    assert [r["n"] for r in resumed] == [3, 3]
+    assert {(r["run"], r["idx"]): r["token_ids"] for r in load_records(tmp_path / "two" / "samples.jsonl")} == ids
+
+
+def test_a_worker_decodes_only_its_share(tmp_path, bench_config):
+    """--shard 1/2 (one worker of --jobs 2): samples 1 and 3 of 4, every row, no rows returned."""
+    out = tmp_path / "w"
+    assert run_bench(tasks=["facts"], decoders=["ar", "refusion"], limit=4, out=out, config=str(bench_config),
+                     shard=(1, 2)) == []
+    assert [(r["idx"], r["run"]) for r in load_records(out / "samples.jsonl")] == \
+        [(1, "ar"), (1, "refusion"), (3, "ar"), (3, "refusion")]

@@ -3,8 +3,8 @@
 Measured on the 2-core development machine: a torch process with more threads than free cores slows
 down several-fold (its threads spin-wait), while two one-thread processes get ~1.1x the throughput of
 one two-thread process. So every worker gets exactly one OpenMP/MKL thread. Used by
-``refusion results --jobs`` (one ablation per worker) and ``refusion train --recipe tiny --jobs``
-(one fine-tune per worker).
+``refusion results --jobs`` (one ablation per worker), ``refusion bench --jobs`` (a share of the samples
+per worker) and ``refusion train --recipe tiny --jobs`` (one fine-tune per worker).
 """
 
 from __future__ import annotations

@@ -7,13 +7,16 @@ with ``--resume``. The config's optional ``runtime:`` mapping (device, dtype, at
 device_map) says how models load; ``--device`` / ``--dtype`` / ``--attn-implementation`` / ``--device-map``
 override it option by option. ``--batch-size N`` (or the config's ``batch_size:``) decodes the samples
 of each task in chunks of N through ``Decoder.generate_batch``; tokens/s is then the aggregate
-throughput and each row says its ``batch_size``. Writes ``results.json`` (one row per task x decoder,
+throughput and each row says its ``batch_size``. ``--jobs N`` decodes in N one-thread worker processes,
+each a share of the samples (:mod:`refusion.experiments.sharding`). Writes ``results.json`` (one row per task x decoder,
 schema in docs/bench.md), prints the table and plots accuracy against tokens/s per task (``bench.png`` /
 ``bench.svg``).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -208,21 +211,71 @@ def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
 def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, out: Path, split: str = "test",
               config: str | None = None, overrides: list[str] = (), resume: bool = False,
               runtime: RuntimeOptions | None = None, models: list[str] = (),
-              batch_size: int | None = None) -> list[dict[str, Any]]:
+              batch_size: int | None = None, jobs: int = 1,
+              shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """Run the bench; models load with the config's ``runtime:`` overridden by ``runtime`` (the flags);
-    ``batch_size`` (the flag) overrides the config's ``batch_size:``."""
+    ``batch_size`` (the flag) overrides the config's ``batch_size:``. ``jobs > 1`` decodes in that many
+    one-thread worker processes (:mod:`refusion.experiments.sharding`); ``shard=(k, n)`` is one such
+    worker: it decodes its share into ``out`` and returns no rows."""
     check_batch_size(batch_size)
+    if jobs < 1:
+        raise ConfigError(f"--jobs: must be at least 1, got {jobs}")
     cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides,
                       batch_size if batch_size is not None else cfg.batch_size)
-    records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=cfg.runtime.override(runtime),
-                       desc="bench")
+    if jobs > 1:
+        worker_flags = _worker_flags(tasks, decoders, limit, split, config, overrides, runtime, models, batch_size)
+        records = _run_workers(runs, tasks, split, limit, out, resume, cfg.runtime.override(runtime), jobs,
+                               worker_flags)
+    else:
+        records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=cfg.runtime.override(runtime),
+                           desc="bench", shard=shard)
+    if shard is not None:
+        return []
     rows = summarize(records, runs, baseline="ar")
     for r in rows:  # results.json schema: `decoder` names the row; `speedup_vs_ar` as documented
         r["speedup_vs_ar"] = r.pop("speedup")
     write_json(out / "results.json", rows)
     plot(rows, out)
     return rows
+
+
+def _worker_flags(tasks: list[str], decoders: list[str] | None, limit: int | None, split: str, config: str | None,
+                  overrides: list[str], runtime: RuntimeOptions | None, models: list[str],
+                  batch_size: int | None) -> list[str]:
+    """The ``refusion bench`` flags that make a worker decode what this run decodes."""
+    flags = ["--tasks", ",".join(tasks), "--split", split, "--threads", "1", "--resume"]
+    flags += ["--decoders", ",".join(decoders)] if decoders else []
+    flags += ["--limit", str(limit)] if limit else []
+    flags += ["--config", str(config)] if config else []
+    flags += [f for o in overrides for f in ("--set", o)] + [f for m in models for f in ("--model", m)]
+    flags += ["--batch-size", str(batch_size)] if batch_size is not None else []
+    return flags + (runtime.as_flags() if runtime else [])
+
+
+def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool,
+                 runtime: RuntimeOptions, jobs: int, worker_flags: list[str]) -> list[dict[str, Any]]:
+    """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``); the joined records."""
+    from refusion.core.config import validate_config
+    from refusion.experiments.sharding import join_records, run_shards, split_records
+    from refusion.tasks import get_task
+
+    if ((out / "samples.jsonl").exists() or (out / "shards").exists()) and not resume:
+        raise ConfigError(f"{out} holds a run's samples: pass --resume to continue that run, or choose another --out")
+    runtime.resolve()
+    for run in runs:  # a bad config fails here, not in every worker
+        for t in tasks:
+            validate_config(run.configs[t])
+    sizes = {t: len(get_task(t).examples(split, limit)) for t in tasks}
+    total = sum(sizes[t] if run.limit is None else min(run.limit, sizes[t]) for run in runs for t in tasks)
+    split_records(out, jobs)
+    run_shards(out, jobs, lambda k, folder: [sys.executable, "-m", "refusion.cli", "bench", *worker_flags,
+                                             "--out", str(folder), "--shard", f"{k}/{jobs}"], total)
+    task_order, run_order = {t: i for i, t in enumerate(tasks)}, {r.label: i for i, r in enumerate(runs)}
+    records = join_records(out, lambda r: (task_order.get(r["task"], len(tasks)), r["idx"],
+                                           run_order.get(r["run"], len(runs))))
+    wanted = {(r.label, t) for r in runs for t in tasks}
+    return [r for r in records if (r["run"], r["task"]) in wanted]
 
 
 def add_bench_command(sub) -> None:
@@ -243,15 +296,29 @@ def add_bench_command(sub) -> None:
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core; 1 beside another busy process)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="decode in N one-thread worker processes, sample i in worker i mod N, the rows "
+                        "interleaved per sample in each (2 on a 2-core CPU; default 1: this process)")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # K/N: one worker of --jobs N
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(a) -> int:
+    from refusion.experiments.sharding import parse_shard
+
     set_threads(a.threads)
     out = Path(a.out)
-    rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
-                     a.limit or None, out, a.split, a.config, a.set, a.resume, runtime_from_args(a), a.model,
-                     a.batch_size)
+    shard = parse_shard(a.shard) if a.shard else None
+    try:
+        rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
+                         a.limit or None, out, a.split, a.config, a.set, a.resume, runtime_from_args(a), a.model,
+                         a.batch_size, a.jobs, shard)
+    except RuntimeError as e:  # a failed worker: named with its log
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if shard is not None:
+        print(f"wrote {out / 'samples.jsonl'} (worker {a.shard})")
+        return 0
     for r in rows:
         r["speedup"] = r["speedup_vs_ar"]
     sizes = sorted({r.get("batch_size", 1) for r in rows})

@@ -159,13 +159,15 @@ def set_threads(threads: int | None) -> None:
 def evaluate(
     runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool = False,
     runtime: RuntimeOptions | None = None, desc: str = "eval", on_record: Callable[[dict], None] | None = None,
-    time_forwards: bool = False,
+    time_forwards: bool = False, shard: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Decode every sample of every task with every run; return all records (old and new). Every model
     loads with ``runtime`` (default: the CPU in float32), checked before any model loads. Each run decodes
     in chunks of its ``batch_size``. With ``time_forwards`` every model forward is timed
     (:attr:`~refusion.models.backend.Backbone.time_forwards`: two synchronisations per forward on a GPU)
-    and each record adds ``forward_s`` (a batched one: ``batch_forward_s``, its chunk's)."""
+    and each record adds ``forward_s`` (a batched one: ``batch_forward_s``, its chunk's). ``shard=(k, n)``
+    decodes only the samples whose index ``i`` has ``i % n == k`` (one worker of
+    :mod:`refusion.experiments.sharding`)."""
     from refusion.models.tokenizer import encode_prompt
     from refusion.models.backend import Backbone
     from refusion.tasks import get_task
@@ -217,7 +219,8 @@ def evaluate(
     for ti, t in enumerate(task_objs):
         for ri, run in enumerate(runs):
             n = len(examples[t.name]) if run.limit is None else min(run.limit, len(examples[t.name]))
-            left = [i for i in range(n) if (run.label, t.name, i) not in done]
+            left = [i for i in range(n) if (run.label, t.name, i) not in done
+                    and (shard is None or i % shard[1] == shard[0])]
             for c in range(0, len(left), run.batch_size):
                 todo.append((ti, left[c], ri, left[c:c + run.batch_size]))
     todo.sort(key=lambda c: c[:3])
