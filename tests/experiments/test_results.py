@@ -180,7 +180,7 @@ def test_only_keeps_the_sections_of_the_existing_page_whose_results_are_gone(tmp
     monkeypatch.setattr(results, "machine", lambda: "newer box")
     monkeypatch.setattr(results, "models_used", lambda name: ["tiny-x"])
     text = results.run_all(tmp_path / "second", doc, ["kv_cache"], jobs=2)
-    assert text.endswith(slot_size.rstrip("\n")) and "Ran " in slot_size and "on new box." in slot_size
+    assert text.endswith(slot_size) and "Ran " in slot_size and "on new box." in slot_size
     assert text.count("on newer box.") == 1 and 'id="kv_cache"' in text
     assert "(slot_size) name their own date and machine" in text and "(each section gives the date its analysis ran)" in text
     monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 9876543210")  # retrained since

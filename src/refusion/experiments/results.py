@@ -409,7 +409,7 @@ def kept_sections(doc: Path, wanted: list[str], models_used: Callable[[str], lis
         name = chunk.split('"', 1)[0]
         if name not in wanted:
             continue
-        section = '<a id="' + chunk.rstrip("\n")
+        section = '<a id="' + chunk.rstrip("\n") + "\n"  # as write_document joins it: one newline at its end
         row = next((line for line in head.splitlines() if f"](#{name})" in line), None)
         if row is None:
             continue
