@@ -139,16 +139,21 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
         results.run_all(out, doc, ["kv_cache", "scorers"], jobs=2)
 
 
-def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, monkeypatch):
-    """--only kv_cache after a full run: slot_size keeps its section and its decode time; kv_cache's time is new."""
+def fake_ablations(monkeypatch, box: str) -> None:
+    """Every ablation a worker that writes two equally accurate kv_cache rows; the machine named ``box``."""
     import sys
 
-    monkeypatch.setattr(results, "machine", lambda: "test box")
+    monkeypatch.setattr(results, "machine", lambda: box)
     monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'results.json').write_text(sys.argv[2])"
     monkeypatch.setattr(results, "ablation_command",
                         lambda name, out, limit, resume, device: [sys.executable, "-c", code, str(out), json.dumps(rows)])
+
+
+def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, monkeypatch):
+    """--only kv_cache after a full run: slot_size keeps its section and its decode time; kv_cache's time is new."""
+    fake_ablations(monkeypatch, "test box")
     out, doc = tmp_path / "runs", tmp_path / "results.md"
     results.run_all(out, doc, ["kv_cache", "slot_size"], jobs=2)
     (out / "timings.json").write_text(json.dumps({"kv_cache": 600.0, "slot_size": 120.0}))
@@ -165,14 +170,7 @@ def test_only_keeps_the_sections_of_the_existing_page_whose_results_are_gone(tmp
     """A page written by an earlier run (its OUT folder lost): --only kv_cache rewrites kv_cache and keeps
     slot_size's section, summary row and decode time, dated by the earlier page; a kept section whose
     models' weights changed since is refused."""
-    import sys
-
-    monkeypatch.setattr(results, "machine", lambda: "new box")
-    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
-    rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
-    code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'results.json').write_text(sys.argv[2])"
-    monkeypatch.setattr(results, "ablation_command",
-                        lambda name, out, limit, resume, device: [sys.executable, "-c", code, str(out), json.dumps(rows)])
+    fake_ablations(monkeypatch, "new box")
     doc = tmp_path / "results.md"
     results.run_all(tmp_path / "first", doc, ["kv_cache", "slot_size"], jobs=2)
     first = doc.read_text()

@@ -26,8 +26,7 @@ from tqdm import tqdm
 
 from refusion.core.workers import Job, run_jobs
 from refusion.experiments.records import load_records
-
-KEY = ("run", "task", "idx")
+from refusion.experiments.runner import KEY
 
 
 def shard_folder(out: Path, k: int) -> Path:
