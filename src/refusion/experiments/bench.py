@@ -256,16 +256,13 @@ def _worker_flags(tasks: list[str], decoders: list[str] | None, limit: int | Non
 def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool,
                  runtime: RuntimeOptions, jobs: int, worker_flags: list[str]) -> list[dict[str, Any]]:
     """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``); the joined records."""
-    from refusion.core.config import validate_config
+    from refusion.experiments.runner import check_runs
     from refusion.experiments.sharding import join_records, run_shards, split_records
     from refusion.tasks import get_task
 
     if ((out / "samples.jsonl").exists() or (out / "shards").exists()) and not resume:
         raise ConfigError(f"{out} holds a run's samples: pass --resume to continue that run, or choose another --out")
-    runtime.resolve()
-    for run in runs:  # a bad config fails here, not in every worker
-        for t in tasks:
-            validate_config(run.configs[t])
+    check_runs(runs, tasks, runtime)  # a bad config fails here, not in every worker
     sizes = {t: len(get_task(t).examples(split, limit)) for t in tasks}
     total = sum(sizes[t] if run.limit is None else min(run.limit, sizes[t]) for run in runs for t in tasks)
     split_records(out, jobs)

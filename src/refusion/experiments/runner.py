@@ -156,6 +156,19 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def check_runs(runs: list[Run], tasks: list[str], runtime: RuntimeOptions) -> None:
+    """Fail before any model loads: an unavailable runtime option, duplicate run labels, a bad batch size,
+    or a decoder config that does not validate on one of ``tasks``."""
+    runtime.resolve()
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"run labels must be unique: {labels}")
+    for run in runs:
+        check_batch_size(run.batch_size, f"batch_size of run {run.label!r}")
+        for t in tasks:
+            validate_config(run.configs[t])
+
+
 def evaluate(
     runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool = False,
     runtime: RuntimeOptions | None = None, desc: str = "eval", on_record: Callable[[dict], None] | None = None,
@@ -173,21 +186,12 @@ def evaluate(
     from refusion.tasks import get_task
 
     runtime = runtime or RuntimeOptions()
-    runtime.resolve()  # an unavailable option fails before any work
-
-    labels = [r.label for r in runs]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"run labels must be unique: {labels}")
-    for run in runs:
-        check_batch_size(run.batch_size, f"batch_size of run {run.label!r}")
+    check_runs(runs, tasks, runtime)
     task_objs = [get_task(t) for t in tasks]
     out.mkdir(parents=True, exist_ok=True)
     samples_path = out / "samples.jsonl"
     if samples_path.exists() and not resume:
         raise ConfigError(f"{samples_path} exists: pass --resume to continue that run, or choose another --out")
-    for run in runs:  # validate every config before loading or decoding anything
-        for t in tasks:
-            validate_config(run.configs[t])
     records = load_records(samples_path)
     done = done_keys(records, KEY)
     size_of = {r.label: r.batch_size for r in runs}
