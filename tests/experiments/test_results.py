@@ -139,6 +139,20 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
         results.run_all(out, doc, ["kv_cache", "scorers"], jobs=2)
 
 
+def test_workers_start_the_ablations_with_the_most_decodes_first(tmp_path, monkeypatch):
+    """With 2 workers the run ends soonest when the long ablations start first; the page keeps its order."""
+    from refusion.core import workers
+
+    started: list[str] = []
+    monkeypatch.setattr(workers, "run_jobs", lambda jobs, n, on_finish: started.extend(j.name for j in jobs) or [])
+    names = ["kv_cache", "serial_blocks", "frontier", "ladder"]
+    counts = {n: results.decode_count(n) for n in names}
+    assert counts["frontier"] == 14 * 6 * 200 and counts["serial_blocks"] < counts["kv_cache"]
+    results._run_workers(names, tmp_path, None, False, None, 2, {}, tmp_path / "timings.json")
+    assert started == ["frontier", "ladder", "kv_cache", "serial_blocks"]
+    assert results.decode_count("frontier", limit=5) == 14 * 6 * 5
+
+
 def fake_ablations(monkeypatch, box: str) -> None:
     """Every ablation a worker that writes two equally accurate kv_cache rows; the machine named ``box``."""
     import sys

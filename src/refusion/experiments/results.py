@@ -541,10 +541,19 @@ def ablation_command(name: str, out: Path, limit: int | None, resume: bool,
     return cmd + (["--limit", str(limit)] if limit else []) + (["--resume"] if resume else [])
 
 
+def decode_count(name: str, limit: int | None = None) -> int:
+    """Decodes the shipped ablation ``name`` runs: (runs + grid points) x tasks x samples per task. The
+    workers start the ablations in descending order of it (longest first), so the last to start are
+    short and the workers finish close together."""
+    cfg = load_ablation(f"{name}.yaml")
+    grid_points = math.prod(len(values) for values in cfg.grid.axes.values()) if cfg.grid else 0
+    return (len(cfg.runs) + grid_points) * len(cfg.tasks) * (limit or cfg.limit or 0)
+
+
 def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, runtime: RuntimeOptions | None,
                  jobs: int, timings: dict[str, float], timing_file: Path) -> None:
-    """Run the ablations in ``jobs`` one-thread ``refusion ablate`` processes, each logging to
-    ``OUT/<name>/run.log``; record each one's wall time as it finishes."""
+    """Run the ablations in ``jobs`` one-thread ``refusion ablate`` processes, longest first (``decode_count``),
+    each logging to ``OUT/<name>/run.log``; record each one's wall time as it finishes."""
     from refusion.core.workers import Finished, Job, run_jobs
 
     def record(f: Finished) -> None:
@@ -553,7 +562,8 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, r
         print(f"[results] {f.name}: {'done' if f.returncode == 0 else f'FAILED (exit {f.returncode})'} in "
               f"{f.wall_s / 60:.1f} min (log: {f.log})", flush=True)
 
-    work = [Job(n, ablation_command(n, out / n, limit, resume, runtime), out / n / "run.log") for n in names]
+    work = [Job(n, ablation_command(n, out / n, limit, resume, runtime), out / n / "run.log")
+            for n in sorted(names, key=lambda n: -decode_count(n, limit))]
     failed = [f.name for f in run_jobs(work, jobs, record) if f.returncode]
     if failed:
         raise RuntimeError(f"ablations failed: {failed}; see their run.log; rerun with --resume to continue")
