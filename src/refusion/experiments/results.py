@@ -542,12 +542,16 @@ def ablation_command(name: str, out: Path, limit: int | None, resume: bool,
 
 
 def decode_count(name: str, limit: int | None = None) -> int:
-    """Decodes the shipped ablation ``name`` runs: (runs + grid points) x tasks x samples per task. The
-    workers start the ablations in descending order of it (longest first), so the last to start are
-    short and the workers finish close together."""
+    """Decodes the shipped ablation ``name`` runs: (runs + grid points) x samples over its tasks (``limit``,
+    else the file's, else each task's whole split). The workers start the ablations in descending order of
+    it (longest first), so the last to start are short and the workers finish close together."""
+    from refusion.tasks import get_task
+
     cfg = load_ablation(f"{name}.yaml")
     grid_points = math.prod(len(values) for values in cfg.grid.axes.values()) if cfg.grid else 0
-    return (len(cfg.runs) + grid_points) * len(cfg.tasks) * (limit or cfg.limit or 0)
+    per_task = limit or cfg.limit
+    samples = sum(min(per_task or math.inf, get_task(t).sizes[cfg.split]) for t in cfg.tasks)
+    return int((len(cfg.runs) + grid_points) * samples)
 
 
 def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, runtime: RuntimeOptions | None,
