@@ -5,7 +5,8 @@ import json
 import pytest
 
 from refusion.experiments import results
-from refusion.experiments.results import CLAIMS, Inconclusive, agree, as_accurate, verdict, write_document
+from refusion.experiments.results import (CLAIMS, Inconclusive, agree, as_accurate, faster, speed_ratio, verdict,
+                                          write_document)
 
 CLAIM = {c.ablation: c for c in CLAIMS}
 
@@ -16,7 +17,8 @@ def row(task, run, acc, tps=10.0, tpf=1.0, n=200, decoder="refusion", **params):
     nfe = 1.2 if run == "kv_recompute" else 1.0  # recompute's extra forward when slots complete together
     return {"task": task, "run": run, "decoder": decoder, "n": n, "accuracy": acc, "tokens_per_second": tps,
             "tpf": tpf, "nfe_mean": nfe, "latency_s_mean": 1.0, "speedup": None,
-            "per_sample": {i: i < round(acc * n) for i in range(n)}, **params}
+            "per_sample": {i: i < round(acc * n) for i in range(n)},
+            "per_sample_speed": {i: (10, 10 / tps) for i in range(n)}, **params}  # every sample at ``tps``
 
 
 def test_paired_comparisons_hold_fail_or_are_inconclusive():
@@ -31,6 +33,17 @@ def test_paired_comparisons_hold_fail_or_are_inconclusive():
     shifted["per_sample"] = {i: i >= 20 for i in range(200)}  # same accuracy, other samples: 40 discordant
     with pytest.raises(Inconclusive):
         agree(row("t", "a", 0.9), shifted)
+
+
+def test_faster_reads_the_paired_interval_of_the_tokens_per_second_ratio():
+    """1.01x on average with per-sample times on both sides of 1 is not 'faster'; 1.2x on every sample is."""
+    assert faster(row("t", "a", 0.9, tps=12), row("t", "b", 0.9, tps=10))
+    assert not faster(row("t", "a", 0.9, tps=9), row("t", "b", 0.9, tps=10))
+    noisy = row("t", "a", 0.9)
+    noisy["per_sample_speed"] = {i: (10, 0.79 if i % 2 else 1.19) for i in range(200)}  # b: 1.0 s per sample
+    with pytest.raises(Inconclusive, match=r"a vs b: 1.01x \[0.98, 1.04\] the tokens/s, an interval that contains 1"):
+        faster(noisy, row("t", "b", 0.9))
+    assert speed_ratio(noisy, row("t", "b", 0.9)).value == pytest.approx(1.01, abs=0.001)
 
 
 def test_kv_cache_verdicts_per_task():
@@ -64,7 +77,7 @@ def test_kv_cache_judged_at_the_reference_settings_where_the_shipped_ones_make_t
     assert word == "does not hold"
     assert why[0].startswith("arith: no (reference settings: reuse 0.90x the tokens/s of recompute, accuracy 55% vs 55%")
     assert "shipped settings: both caches made the same forwards" in why[0]
-    faster = [dict(r, tokens_per_second=11.0) if r["run"] == "kv_concat_ref" else r for r in ref]
+    faster = [row("arith", "kv_concat_ref", 0.55, tps=11, tpf=9.3, nfe_mean=13.4), ref[1]]
     assert verdict(CLAIM["kv_cache"], same + faster)[0] == "holds"
     with pytest.raises(KeyError):  # half a pair is a missing run, not a pair to skip
         results.kv_reuse_faster_and_as_accurate({r["run"]: r for r in same + ref[:1]})
@@ -100,7 +113,8 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
-    samples = [{"run": run, "task": "arith", "idx": i, "correct": True, "wall_s": 45.0}
+    samples = [{"run": run, "task": "arith", "idx": i, "correct": True, "wall_s": 45.0,
+                "generated_tokens": 12 if run == "kv_concat" else 10}
                for run in ("kv_concat", "kv_recompute") for i in range(2)]  # 4 decodes of 45 s: 3.0 min
     (out / "kv_cache" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
     doc = tmp_path / "docs" / "results.md"
@@ -109,7 +123,11 @@ def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
     assert doc.read_text() == text
     assert "`refusion results --only kv_cache`" in text and "test box" in text
     assert "**holds**" in text and "| 3.0 min |" in text and "Table 8" in text
-    assert "decodes took 3 min; in 2 workers at once, about 2 min of wall time" in text
+    assert "decodes took 3 min." in text  # no wall time on record: none stated
+    (out / "wall.json").write_text(json.dumps({"wall_s": 150.0}))
+    text = write_document(out, doc, ["kv_cache"], "refusion results --only kv_cache", jobs=2)
+    assert ("decodes took 3 min; the command took 2 min of wall time with 2 workers at once, model loading and "
+            "plots included.") in text
     assert "![kv_cache_0](results/kv_cache_0.png)" in text
     figure = tmp_path / "docs" / "results" / "kv_cache_0.png"  # drawn from results.json, with the page
     assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".svg").exists()
@@ -132,6 +150,8 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
     out, doc = tmp_path / "runs", tmp_path / "results.md"
     text = results.run_all(out, doc, ["kv_cache", "slot_size"], limit=5, jobs=2)
     assert text.count("**holds**") >= 1 and "slot_size" in text and "2 one-thread worker processes" in text
+    wall_s = json.loads((out / "wall.json").read_text())["wall_s"]
+    assert wall_s > 0 and f"the command took {wall_s / 60:.0f} min of wall time with 2 workers at once" in text
     timings = json.loads((out / "timings.json").read_text())
     assert set(timings) == {"kv_cache", "slot_size"} and all(t > 0 for t in timings.values())
     assert (out / "kv_cache" / "run.log").read_text().split() == ["1", "5", "False"]
@@ -173,7 +193,7 @@ def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, m
     results.run_all(out, doc, ["kv_cache", "slot_size"], jobs=2)
     (out / "timings.json").write_text(json.dumps({"kv_cache": 600.0, "slot_size": 120.0}))
     (out / "slot_size" / "samples.jsonl").write_text(json.dumps(  # slot_size's decode time: 2.0 min
-        {"run": "kv_concat", "task": "arith", "idx": 0, "correct": True, "wall_s": 120.0}) + "\n")
+        {"run": "kv_concat", "task": "arith", "idx": 0, "correct": True, "wall_s": 120.0, "generated_tokens": 10}) + "\n")
     text = results.run_all(out, doc, ["kv_cache"], jobs=2)
     assert 'id="slot_size"' in text and 'id="kv_cache"' in text
     timings = json.loads((out / "timings.json").read_text())
@@ -246,7 +266,8 @@ def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypa
             row("code", "kv_concat", 0.6, tps=12), row("code", "kv_recompute", 0.6, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
     (out / "kv_cache" / "samples.jsonl").write_text("".join(json.dumps(
-        {"run": r["run"], "task": r["task"], "idx": i, "correct": ok, "wall_s": 0.15}) + "\n"
+        {"run": r["run"], "task": r["task"], "idx": i, "correct": ok, "wall_s": 0.15,
+         "generated_tokens": 12 if r["run"] == "kv_concat" else 10}) + "\n"  # reuse 1.2x recompute's tokens/s
         for r in rows for i, ok in r["per_sample"].items()))  # 800 decodes of 0.15 s: 2.0 min
     text = results.run_all(out, tmp_path / "r.md", ["kv_cache"], run=False, command="refusion results --limit 20")
     assert "**holds** (tested on code; at chance on arith) | 2.0 min |" in text

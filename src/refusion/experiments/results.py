@@ -26,6 +26,10 @@ on a task where every run of the ablation is at chance level (each run's accurac
 ``chance_accuracy`` plus two binomial standard errors of it, and at least 5 points): "0% and 0% agree"
 says nothing about the decoder; nor does "100% and 100% agree" on a task where every run got every
 sample right (the ceiling). Such tasks are listed as not testable and left out of the verdict.
+
+Speed is compared the same way: "A is faster than B" holds when the 95% paired-bootstrap interval of A's
+tokens/s over B's (from each sample's generated tokens and decode seconds) lies above 1, fails when it
+lies below 1, and is inconclusive when it contains 1.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_fr
 if TYPE_CHECKING:
     from refusion.experiments.stats import Interval
 
+WALL_FILE = "wall.json"  # {"wall_s": the command's wall seconds, a resumed run's added}
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
          "variants", "ladder")
 STEPPED = ("ladder",)  # analyses whose runs are rungs: each run is compared with the one before it
@@ -82,6 +87,34 @@ def paired_gap(a: dict[str, Any], b: dict[str, Any]) -> "Interval":
     return paired_accuracy([b["per_sample"][i] for i in ids], [a["per_sample"][i] for i in ids]).difference
 
 
+def speed_ratio(a: dict[str, Any], b: dict[str, Any]) -> "Interval":
+    """A's tokens/s over B's on the samples both decoded, with its 95% paired-bootstrap interval. Rows carry
+    their samples' generated tokens and decode seconds as ``per_sample_speed`` (``idx -> (tokens, s)``;
+    :func:`attach_samples`)."""
+    from refusion.experiments.stats import throughput_ratio
+
+    if "per_sample_speed" not in a or "per_sample_speed" not in b:
+        raise LookupError("per-sample times (samples.jsonl) of both runs")
+    ids = sorted(set(a["per_sample_speed"]) & set(b["per_sample_speed"]))
+    (tok_a, s_a), (tok_b, s_b) = (zip(*(row["per_sample_speed"][i] for i in ids)) for row in (a, b))
+    return throughput_ratio(tok_b, s_b, tok_a, s_a)
+
+
+def faster(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether A decodes more tokens/s than B (the paired interval of the ratio above 1; below 1: no);
+    raises :class:`Inconclusive` when the interval contains 1."""
+    ratio = speed_ratio(a, b)
+    if ratio.low > 1:
+        return True
+    if ratio.high < 1:
+        return False
+    raise Inconclusive(f"{a['run']} vs {b['run']}: {_ratio_text(ratio)} the tokens/s, an interval that contains 1")
+
+
+def _ratio_text(ratio) -> str:
+    return f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]"
+
+
 def _gap_text(gap) -> str:
     return f"{100 * gap.value:+.1f} points [{100 * gap.low:+.1f}, {100 * gap.high:+.1f}]"
 
@@ -110,13 +143,18 @@ def agree(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def attach_samples(rows: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
-    """Give each summary row ``per_sample``: ``idx -> correct`` of its run's records on its task."""
-    by: dict[tuple[str, str], dict[int, bool]] = {}
+    """Give each summary row ``per_sample`` (``idx -> correct``) and ``per_sample_speed`` (``idx ->
+    (generated tokens, decode seconds)``) of its run's records on its task."""
+    from refusion.experiments.runner import decode_share_s
+
+    by: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
     for r in records:
-        by.setdefault((r["run"], r["task"]), {})[r["idx"]] = bool(r["correct"])
+        by.setdefault((r["run"], r["task"]), {})[r["idx"]] = r
     for row in rows:
         if (row["run"], row["task"]) in by:
-            row["per_sample"] = by[row["run"], row["task"]]
+            samples = by[row["run"], row["task"]]
+            row["per_sample"] = {i: bool(r["correct"]) for i, r in samples.items()}
+            row["per_sample_speed"] = {i: (r["generated_tokens"], decode_share_s(r)) for i, r in samples.items()}
 
 
 def _pct(v: float) -> str:
@@ -170,11 +208,11 @@ def kv_reuse_faster_and_as_accurate(runs: dict[str, dict]) -> Outcome:
         if r["nfe_mean"] == c["nfe_mean"] and r["tpf"] == c["tpf"]:
             same.append(f"{name}: both caches made the same forwards (NFE {c['nfe_mean']:.2f})")
             continue
-        ratio = c["tokens_per_second"] / r["tokens_per_second"]
-        ok = ratio > 1 and as_accurate(c, r)
-        judged.append((ok, f"{name}: reuse {ratio:.2f}x the tokens/s of recompute, accuracy "
+        ratio = speed_ratio(c, r)
+        ok = as_accurate(c, r) and faster(c, r)
+        judged.append((ok, f"{name}: reuse {ratio.value:.2f}x the tokens/s of recompute, accuracy "
                            f"{_pct(c['accuracy'])} vs {_pct(r['accuracy'])} ({_gap_text(paired_gap(c, r))}), "
-                           f"NFE {c['nfe_mean']:.2f} vs {r['nfe_mean']:.2f}"))
+                           f"NFE {c['nfe_mean']:.2f} vs {r['nfe_mean']:.2f}, speed ratio {_ratio_text(ratio)}"))
     if not judged:
         raise NotTestable("; ".join(same) + ": no Stage II-b round completed two or more slots at once, where "
                           "reuse and recompute differ")
@@ -257,9 +295,9 @@ def refusion_flatter_than_llada(runs: dict[str, dict]) -> Outcome:
 
 def any_order_faster_than_left_to_right(runs: dict[str, dict]) -> Outcome:
     p, l2r = runs["plain"], runs["left_to_right"]
-    ratio = p["tokens_per_second"] / l2r["tokens_per_second"]
-    ok = ratio > 1 and as_accurate(p, l2r)
-    return ok, (f"any-order {ratio:.2f}x the tokens/s of left-to-right, accuracy {_pct(p['accuracy'])} vs "
+    ratio = speed_ratio(p, l2r)
+    ok = as_accurate(p, l2r) and faster(p, l2r)
+    return ok, (f"any-order {_ratio_text(ratio)} the tokens/s of left-to-right, accuracy {_pct(p['accuracy'])} vs "
                 f"{_pct(l2r['accuracy'])} ({_gap_text(paired_gap(p, l2r))})")
 
 
@@ -496,7 +534,10 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
             png = plot(rows, spec, fig_dir, f"{name}_{i}")[0]
             sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]
         sections.append("\n".join(sec))
-    wall = f"; in {jobs} workers at once, about {total_seconds / 60 / jobs:.0f} min of wall time" if jobs > 1 else ""
+    wall_file = out / WALL_FILE
+    wall = (f"; the command took {json.loads(wall_file.read_text())['wall_s'] / 60:.0f} min of wall time"
+            + (f" with {jobs} workers at once" if jobs > 1 else "") + ", model loading and plots included"
+            if wall_file.is_file() else "")
     kept_names = [n for n in names if n in kept]
     kept_minutes = sum(kept[n].minutes for n in kept_names)
     decode_time = (
@@ -518,7 +559,9 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
              "interval of their difference: \"at least as accurate\" holds when its lower end is above -5 points "
              "and fails when its upper end is below 0; \"agree\" holds when it lies within 5 points of 0 and "
              "fails when it lies wholly outside; a task where the interval allows both is inconclusive and left "
-             "out of the verdict. Speeds are tokens/s measured side by side in one run (samples interleaved), "
+             "out of the verdict. Speeds are tokens/s measured side by side in one run (samples interleaved); "
+             "\"faster\" holds when the 95% paired-bootstrap interval of the tokens/s ratio lies above 1 and "
+             "fails when it lies below 1, and a task where it contains 1 is inconclusive. "
              "TPF = generated tokens / forward calls.",
              "- A claim about accuracy is not tested on a task where every run is at chance (arith and code: "
              "at most 5%; facts: within two standard errors of 25%) or every run is at the ceiling (100%): "
@@ -580,7 +623,8 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
     ``doc`` from every ablation with results in ``OUT`` and, for the others, the existing page's sections
     (so ``--only`` reruns some and keeps the rest); with ``run=False`` only rewrite ``doc`` from ``OUT`` (after
     a change to the verdict rules).
-    Run times live in ``OUT/timings.json``: a resumed run adds to an ablation's, a fresh one replaces it."""
+    Run times live in ``OUT/timings.json`` (per ablation) and ``OUT/wall.json`` (the whole command): a resumed
+    run adds to them, a fresh one replaces them."""
     everything = [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
     names = names or everything
     timing_file = out / "timings.json"
@@ -596,6 +640,7 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
     if not run:
         return write_document(out, doc, documented, command, jobs, kept)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     if jobs > 1:
         _run_workers(names, out, limit, resume, runtime, jobs, timings, timing_file)
     else:
@@ -604,6 +649,9 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
             run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, runtime=runtime)
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its share
             timing_file.write_text(json.dumps(timings, indent=1))
+    wall_file = out / WALL_FILE
+    earlier_s = json.loads(wall_file.read_text())["wall_s"] if resume and wall_file.is_file() else 0.0
+    wall_file.write_text(json.dumps({"wall_s": earlier_s + time.perf_counter() - started}))
     return write_document(out, doc, documented, command, jobs, kept)
 
 
