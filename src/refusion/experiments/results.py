@@ -536,7 +536,7 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
         sections.append("\n".join(sec))
     wall_file = out / WALL_FILE
     wall = (f"; the command took {json.loads(wall_file.read_text())['wall_s'] / 60:.0f} min of wall time"
-            + (f" with {jobs} workers at once" if jobs > 1 else "") + ", model loading and plots included"
+            + (f" with {jobs} workers at once" if jobs > 1 else "") + ", model loading included"
             if wall_file.is_file() else "")
     kept_names = [n for n in names if n in kept]
     kept_minutes = sum(kept[n].minutes for n in kept_names)
