@@ -46,6 +46,12 @@ def test_faster_reads_the_paired_interval_of_the_tokens_per_second_ratio():
     assert speed_ratio(noisy, row("t", "b", 0.9)).value == pytest.approx(1.01, abs=0.001)
 
 
+def test_scorers_compare_two_different_scorers_when_all_tie():
+    rows = [row("code", n, 0.995) for n in ("first_token_prob", "mean_prob", "mean_neg_entropy")]
+    word, why = verdict(CLAIM["scorers"], rows)
+    assert word == "holds" and why[0].endswith("first_token_prob - mean_prob: +0.0 points [+0.0, +0.0])")
+
+
 def test_kv_cache_verdicts_per_task():
     rows = [row("arith", "kv_concat", 0.90, tps=12), row("arith", "kv_recompute", 0.92, tps=10),
             row("code", "kv_concat", 0.50, tps=12), row("code", "kv_recompute", 0.90, tps=10)]

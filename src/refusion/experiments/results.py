@@ -222,7 +222,8 @@ def kv_reuse_faster_and_as_accurate(runs: dict[str, dict]) -> Outcome:
 def scorers_comparable(runs: dict[str, dict]) -> Outcome:
     names = [n for n in ("first_token_prob", "mean_prob", "mean_neg_entropy") if n in runs]
     accs = {n: runs[n]["accuracy"] for n in names}
-    hi, lo = max(accs, key=accs.get), min(accs, key=accs.get)
+    hi = max(accs, key=accs.get)
+    lo = min((n for n in names if n != hi), key=accs.get)  # two different scorers, also when all tie
     ok = agree(runs[hi], runs[lo])
     return ok, (", ".join(f"{n} {_pct(a)}" for n, a in accs.items())
                 + f"; {hi} - {lo}: {_gap_text(paired_gap(runs[hi], runs[lo]))}")
