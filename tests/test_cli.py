@@ -31,6 +31,36 @@ def test_generate_table_and_config_file(model_dir, tmp_path, capsys):
     assert "tokens_per_second" in out and "nfe" in out
 
 
+def test_generate_prints_the_completion_verbatim(model_dir, capsys, monkeypatch):
+    from refusion.core.interfaces import Decoder
+
+    real_generate = Decoder.generate
+
+    def bracketed(self, prompt_ids, **kw):
+        result = real_generate(self, prompt_ids, **kw)
+        result.text = "[bold]x[/bold] [1, 2]"
+        return result
+
+    monkeypatch.setattr(Decoder, "generate", bracketed)
+    assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=4", "--prompt", "ab"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "[bold]x[/bold] [1, 2]"  # not read as rich markup
+
+    def empty(self, prompt_ids, **kw):
+        result = real_generate(self, prompt_ids, **kw)
+        result.text = ""
+        return result
+
+    monkeypatch.setattr(Decoder, "generate", empty)
+    assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=4", "--prompt", "ab"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "(empty completion: the model ended at once)"
+
+
+def test_empty_prompt_is_refused_before_loading_a_model(capsys):
+    rc = main(["generate", "--model", "no/such/folder", "--decoder", "ar", "--prompt", ""])
+    assert rc == 2
+    assert "--prompt: empty prompt" in capsys.readouterr().err
+
+
 def test_bad_config_names_field(model_dir, capsys):
     rc = main(["generate", "--model", model_dir, "--decoder", "refusion", "--prompt", "x",
                "--set", "verifier.token_threshold=2"])

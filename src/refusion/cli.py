@@ -29,13 +29,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = decoder_config(args.decoder, args.config, args.set)
     from refusion.core.config import validate_config
 
-    validate_config(cfg)  # fail on a bad config before loading a model
+    validate_config(cfg)  # fail on a bad config or prompt before loading a model
+    if not args.prompt:
+        raise ConfigError("--prompt: empty prompt; give some text")
     backbone = Backbone.from_pretrained(
         args.model, **runtime_from_args(args).model_dump(), trust_remote_code=args.trust_remote_code
     )
     decoder = build_decoder(backbone, cfg)
-    if not args.prompt:
-        raise ConfigError("--prompt: empty prompt; give some text")
     result = decoder.generate(encode_prompt(backbone.tokenizer, args.prompt, chat=not args.no_chat_template))
     if args.json:
         print(json.dumps(result.as_dict(with_trace=args.trace)))
@@ -44,7 +44,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    console.print(result.text)
+    if result.text:
+        console.print(result.text, markup=False, highlight=False)  # the model's text verbatim, brackets included
+    else:
+        console.print("(empty completion: the model ended at once)", style="dim")
     table = Table(title=f"{cfg['decoder']} on {args.model}")
     table.add_column("stat")
     table.add_column("value", justify="right")
