@@ -43,9 +43,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(markup=False)  # model text, labels and paths print as they are
     if result.text:
-        console.print(result.text, markup=False, highlight=False)  # the model's text verbatim, brackets included
+        console.print(result.text, highlight=False)
     else:
         console.print("(empty completion: the model ended at once)", style="dim")
     table = Table(title=f"{cfg['decoder']} on {args.model}")
@@ -73,7 +73,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         table.add_column(col)
     for e in rows:
         table.add_row(e.kind, e.name, f"{e.cls.__module__}.{e.cls.__qualname__}", e.origin)
-    Console().print(table)
+    Console(markup=False).print(table)
     return 0
 
 

@@ -133,7 +133,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
         table.add_column(head, justify="left" if key in ("decoder", "task") else "right")
     for r in rows:
         table.add_row(*(_cell(k, r.get(k)) for k, _ in COLUMNS))
-    Console().print(table)
+    Console(markup=False).print(table)
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:

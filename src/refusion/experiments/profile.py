@@ -88,7 +88,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
     for r in rows:
         table.add_row(*(_cell(k, r.get(k)) for k, _ in cols))
     console = Console()
-    Console(width=None if console.is_terminal else 200).print(table)  # a file or pipe gets every column whole
+    Console(width=None if console.is_terminal else 200, markup=False).print(table)  # a file or pipe gets every column whole
 
 
 def _row(decoder: str, task: str, model: str, vocab: int, samples: list[dict[str, Any]],

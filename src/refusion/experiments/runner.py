@@ -293,7 +293,7 @@ def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = ()) -
             cells.append("-" if v is None else f"{100 * v:.1f}" if key == "accuracy" else
                          f"{v:.2f}" if isinstance(v, float) else str(v))
         table.add_row(*cells)
-    Console().print(table)
+    Console(markup=False).print(table)  # run labels print as they are, brackets included
 
 
 def _with_batch(rows: list[dict[str, Any]], extra: list[str]) -> list[str]:
