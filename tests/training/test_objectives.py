@@ -388,3 +388,61 @@ def test_loss_decreases(tok, pairs, name):
         assert 0.0 <= metrics["masked_acc"] <= 1.0
     if name == "refusion":
         assert {"loss_ar", "loss_mdm"} <= set(metrics)
+
+
+# ------------------------------------------------------------------------------------------
+# logits only at labelled positions
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ar", "refusion", "mdm", "block"])
+def test_loss_reads_logits_only_at_labelled_positions(tok, pairs, name):
+    """The output head runs on the positions where some row has a label, never the prompt's, and the loss,
+    metrics and gradients equal those computed from the logits of every position."""
+    torch.manual_seed(0)
+    obj = OBJECTIVES[name].from_tokenizer(tok)
+    model = build_model(tok, "micro", attention=obj.attention, block_size=getattr(obj.options, "block_size", None))
+    batch = obj.make_batch(pairs, torch.Generator().manual_seed(1))
+    L = batch.input_ids.shape[1]
+    labelled = (batch.labels != IGNORE).any(0)
+    assert torch.equal(batch.label_positions, labelled.nonzero().flatten())
+    assert 0 < batch.label_positions.numel() < L  # the prompts carry no label
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: head_rows.append(i[0].shape[:2]))
+    loss, metrics = obj.loss(model, batch)
+    hook.remove()
+    assert head_rows == [(len(pairs), batch.label_positions.numel())]
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    every = obj.make_batch(pairs, torch.Generator().manual_seed(1))
+    every.label_positions = torch.arange(L)  # every position through the head
+    loss_all, metrics_all = obj.loss(model, every)
+    loss_all.backward()
+    assert loss.item() == pytest.approx(loss_all.item(), rel=1e-6)
+    assert metrics.keys() == metrics_all.keys()
+    for k in metrics:
+        assert metrics[k] == pytest.approx(metrics_all[k], rel=1e-6, nan_ok=True)
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-7), n
+
+
+def test_label_logits_with_a_model_that_ignores_logits_to_keep(tok, pairs):
+    torch.manual_seed(0)
+    obj = RefusionObjective.from_tokenizer(tok)
+    model = build_model(tok, "micro")
+
+    class AllRows(torch.nn.Module):  # remote-code models without logits_to_keep
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, logits_to_keep=None, **kw):
+            return self.inner(**kw)
+
+    batch = obj.make_batch(pairs, torch.Generator().manual_seed(1))
+    logits, targets = obj.label_logits(AllRows(), batch)
+    want, _ = obj.label_logits(model, batch)
+    assert logits.shape == want.shape == (len(pairs), batch.label_positions.numel(), model.config.vocab_size)
+    assert torch.allclose(logits, want, atol=1e-6)
+    assert torch.equal(targets.labels, batch.labels[:, batch.label_positions])

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
-from refusion.core.objective import IGNORE, Batch, Objective, Pair
+from refusion.core.objective import IGNORE, Batch, Objective, Pair, Targets
 
 NEG = torch.finfo(torch.float32).min
 
@@ -184,19 +184,19 @@ def _p_mask(t: float, eps: float) -> float:
     return (1.0 - eps) * t + eps
 
 
-def _masked_metrics(logits: Tensor, batch: Batch) -> dict[str, float]:
-    m = batch.masked
+def _masked_metrics(logits: Tensor, targets: Targets) -> dict[str, float]:
+    m = targets.masked
     n = int(m.sum())
     if n == 0:
         return {"masked_acc": float("nan"), "n_masked": 0.0}
-    pred = logits.argmax(-1)
-    acc = (pred[m] == batch.labels[m]).float().mean().item()
+    pred = logits[m].argmax(-1)
+    acc = (pred == targets.labels[m]).float().mean().item()
     return {"masked_acc": acc, "n_masked": float(n)}
 
 
-def _diffusion_loss(logits: Tensor, batch: Batch) -> Tensor:
-    ce = Objective.token_ce(logits, torch.where(batch.masked, batch.labels, torch.full_like(batch.labels, IGNORE)))
-    return (ce * batch.weights).sum() / max(batch.n_examples, 1)
+def _diffusion_loss(logits: Tensor, targets: Targets, n_examples: int) -> Tensor:
+    labels = torch.where(targets.masked, targets.labels, torch.full_like(targets.labels, IGNORE))
+    return (Objective.token_ce(logits, labels) * targets.weights).sum() / max(n_examples, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,12 +237,12 @@ class ArObjective(Objective):
         )
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        logits = self.forward_logits(model, batch)
-        valid = batch.labels != IGNORE
-        ce = self.token_ce(logits, batch.labels)
+        logits, targets = self.label_logits(model, batch)
+        valid = targets.labels != IGNORE
+        ce = self.token_ce(logits, targets.labels)
         n = valid.sum().clamp(min=1)
         loss = ce.sum() / n
-        acc = (logits.argmax(-1)[valid] == batch.labels[valid]).float().mean().item() if valid.any() else float("nan")
+        acc = (logits[valid].argmax(-1) == targets.labels[valid]).float().mean().item() if valid.any() else float("nan")
         return loss, {"loss": loss.item(), "acc": acc}
 
 
@@ -305,17 +305,17 @@ class RefusionObjective(Objective):
         )
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        logits = self.forward_logits(model, batch)
-        ce = self.token_ce(logits, batch.labels)
-        ar_mask = (batch.labels != IGNORE) & ~batch.masked
+        logits, targets = self.label_logits(model, batch)
+        ce = self.token_ce(logits, targets.labels)
+        ar_mask = (targets.labels != IGNORE) & ~targets.masked
         n_ar = int(ar_mask.sum())
         loss_ar = (ce * ar_mask).sum() / n_ar if n_ar else ce.sum() * 0.0
-        loss_mdm = (ce * batch.weights * batch.masked).sum() / max(batch.n_examples, 1)
+        loss_mdm = (ce * targets.weights * targets.masked).sum() / max(batch.n_examples, 1)
         loss = loss_ar + loss_mdm
         metrics = {"loss": loss.item(), "loss_ar": loss_ar.item(), "loss_mdm": loss_mdm.item()}
-        metrics.update(_masked_metrics(logits, batch))
+        metrics.update(_masked_metrics(logits, targets))
         if n_ar:
-            metrics["ar_acc"] = (logits.argmax(-1)[ar_mask] == batch.labels[ar_mask]).float().mean().item()
+            metrics["ar_acc"] = (logits[ar_mask].argmax(-1) == targets.labels[ar_mask]).float().mean().item()
         return loss, metrics
 
 
@@ -323,10 +323,10 @@ class MaskedDiffusionObjective(Objective):
     """Shared loss of the masked-diffusion objectives: 1/p_mask-weighted CE on masked positions."""
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        logits = self.forward_logits(model, batch)
-        loss = _diffusion_loss(logits, batch)
+        logits, targets = self.label_logits(model, batch)
+        loss = _diffusion_loss(logits, targets, batch.n_examples)
         metrics = {"loss": loss.item()}
-        metrics.update(_masked_metrics(logits, batch))
+        metrics.update(_masked_metrics(logits, targets))
         return loss, metrics
 
 
