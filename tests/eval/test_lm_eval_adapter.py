@@ -100,9 +100,13 @@ def test_loglikelihood_is_exact_and_matches_the_harness_hf_model(models):
     ours = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=4)
     hf = HFLM(pretrained=str(models["causal"]), device="cpu", dtype="float32", batch_size=1)
     reqs = [ll("the cat ", "sat"), ll("a", " b c"), ll("", "hello"), ll("x = 1", "\n")]
+    rows, fed = ours.backbone.logits_rows, ours.backbone.tokens_in
     mine, theirs = ours.loglikelihood(reqs), hf.loglikelihood(reqs)
     for (a, ga), (b, gb) in zip(mine, theirs):
         assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    # only the continuation's rows go through the output head, never the context's
+    continuation_tokens = sum(len(ours._encode_pair(*r.args)[1]) for r in reqs)
+    assert ours.backbone.logits_rows - rows == continuation_tokens < ours.backbone.tokens_in - fed
     long = "the quick brown fox " * 40  # > max_length tokens: rolling windows
     ours.max_length = hf._max_length = 128
     roll = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(s,), idx=0) for s in ("abc de", long)]

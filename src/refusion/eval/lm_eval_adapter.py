@@ -387,18 +387,21 @@ class RefusionLM(LM):
 
     @torch.no_grad()
     def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
-        """Sum of log p(cont | context) over the continuation tokens and whether each was the argmax."""
+        """Sum of log p(cont | context) over the continuation tokens and whether each was the argmax.
+        Only the continuation's ``k`` rows go through the output head (``logits_to_keep``): a few-shot
+        context of thousands of tokens costs no full-vocabulary row."""
         whole = (context_ids + cont_ids)[-(self.max_length + 1):]
         inp = torch.tensor(whole[:-1], device=self.device)[None]
         n = len(inp[0])
+        k = min(len(cont_ids), n)  # a continuation longer than the window keeps its last n tokens
         model = self.backbone.model
         logits = model(input_ids=inp, position_ids=torch.arange(n, device=self.device)[None],
-                       attention_mask=torch.ones_like(inp), use_cache=False).logits[0].float()
+                       attention_mask=torch.ones_like(inp), use_cache=False, logits_to_keep=k).logits
         self.backbone.nfe += 1
         self.backbone.tokens_in += n
-        k = len(cont_ids)
-        logp = F.log_softmax(logits[n - k:], dim=-1)  # [k, V]: row j predicts cont_ids[j]
-        target = torch.tensor(cont_ids, device=self.device)
+        self.backbone.logits_rows += k
+        logp = F.log_softmax(logits[0, -k:].float(), dim=-1)  # [k, V]: row j predicts the j-th kept token
+        target = torch.tensor(cont_ids[-k:], device=self.device)
         ll = float(logp.gather(-1, target[:, None]).sum())
         greedy = bool((logp.argmax(-1) == target).all())
         return ll, greedy
