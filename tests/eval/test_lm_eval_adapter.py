@@ -113,6 +113,23 @@ def test_loglikelihood_is_exact_and_matches_the_harness_hf_model(models):
     assert ours.loglikelihood_rolling(roll) == pytest.approx(hf.loglikelihood_rolling(roll), abs=1e-3)
 
 
+def test_loglikelihood_in_batches_equals_one_request_at_a_time(models):
+    one = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=4)
+    batched = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=4, batch_size=3)
+    reqs = [ll("the cat ", "sat"), ll("a", " b c"), ll("", "hello"), ll("x = 1", "\n"), ll("q", ""),
+            ll("a much longer context than the others, " * 3, " ends here")]
+    nfe = batched.backbone.nfe
+    mine, want = batched.loglikelihood(reqs), one.loglikelihood(reqs)
+    assert batched.backbone.nfe - nfe == 2  # 5 scored requests in chunks of 3, the empty continuation free
+    assert mine[4] == (0.0, True)
+    for (a, ga), (b, gb) in zip(mine, want):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    long = "the quick brown fox " * 40
+    one.max_length = batched.max_length = 64
+    roll = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(s,), idx=0) for s in ("abc de", long)]
+    assert batched.loglikelihood_rolling(roll) == pytest.approx(one.loglikelihood_rolling(roll), abs=1e-3)
+
+
 def test_loglikelihood_refused_for_masked_diffusion_models(models):
     lm = RefusionLM(pretrained=models["mdm"], gen_length=8)
     assert lm.config["decoder"] == "llada"  # the family's decoder by default

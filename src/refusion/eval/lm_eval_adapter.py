@@ -37,7 +37,9 @@ the smallest valid ``gen_length`` above it is used and the output cut back to th
 
 ``loglikelihood`` / ``loglikelihood_rolling`` are exact for causal models (ReFusion, Qwen3, the tiny
 causal models): one forward of context + continuation, the sum of the continuation tokens' log-probs
-from the full softmax, and whether each was the argmax. Masked diffusion models (bidirectional /
+from the full softmax, and whether each was the argmax. Requests (and rolling windows) go in chunks of
+``batch_size``, longest first, left-padded so that every row's continuation ends the row: only the
+chunk's last ``max k`` positions go through the output head. Masked diffusion models (bidirectional /
 block-causal attention) would need Monte-Carlo estimates (LLaDA's ``mc_num``), not implemented here:
 they raise ``NotImplementedError`` saying so.
 
@@ -64,6 +66,7 @@ import lm_eval.models  # noqa: F401  (built-in models first: get_model() skips i
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from refusion.core import host
 from refusion.core.config import ConfigError, build_decoder, load_config_file, validate_config
 
 log = logging.getLogger(__name__)
@@ -386,25 +389,49 @@ class RefusionLM(LM):
             )
 
     @torch.no_grad()
-    def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
-        """Sum of log p(cont | context) over the continuation tokens and whether each was the argmax.
-        Only the continuation's ``k`` rows go through the output head (``logits_to_keep``): a few-shot
-        context of thousands of tokens costs no full-vocabulary row."""
-        whole = (context_ids + cont_ids)[-(self.max_length + 1):]
-        inp = torch.tensor(whole[:-1], device=self.device)[None]
-        n = len(inp[0])
-        k = min(len(cont_ids), n)  # a continuation longer than the window keeps its last n tokens
-        model = self.backbone.model
-        logits = model(input_ids=inp, position_ids=torch.arange(n, device=self.device)[None],
-                       attention_mask=torch.ones_like(inp), use_cache=False, logits_to_keep=k).logits
-        self.backbone.nfe += 1
-        self.backbone.tokens_in += n
-        self.backbone.logits_rows += k
-        logp = F.log_softmax(logits[0, -k:].float(), dim=-1)  # [k, V]: row j predicts the j-th kept token
-        target = torch.tensor(cont_ids[-k:], device=self.device)
-        ll = float(logp.gather(-1, target[:, None]).sum())
-        greedy = bool((logp.argmax(-1) == target).all())
-        return ll, greedy
+    def _continuation_logprobs(self, pairs: list[tuple[list[int], list[int]]], desc: str,
+                               disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Per ``(context_ids, cont_ids)`` pair (``cont_ids`` not empty): the sum of log p(cont | context) over
+        the continuation tokens and whether each was the argmax.
+
+        Pairs go in chunks of ``batch_size``, longest first (so a chunk's rows pad little), each row
+        left-padded: every row's continuation then ends the row, and ``logits_to_keep`` = the chunk's
+        longest continuation sends only those rows through the output head, never the contexts'. Position
+        ids count each row's real tokens from 0, so a row computes what it computes alone. One host read
+        per chunk."""
+        rows = []  # per pair: its fed tokens (context + continuation without the last token) and kept targets
+        for context_ids, cont_ids in pairs:
+            whole = (context_ids + cont_ids)[-(self.max_length + 1):]
+            k = min(len(cont_ids), len(whole) - 1)  # a continuation longer than the window keeps its last tokens
+            rows.append((whole[:-1], cont_ids[-k:]))
+        order = sorted(range(len(rows)), key=lambda j: -len(rows[j][0]))
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        model, size = self.backbone.model, self.batch_size
+        with tqdm(total=len(rows), desc=desc, disable=disable_tqdm or self.rank != 0) as bar:
+            for c in range(0, len(order), size):
+                chunk = order[c:c + size]
+                n = max(len(rows[j][0]) for j in chunk)
+                k = max(len(rows[j][1]) for j in chunk)
+                pad = [n - len(rows[j][0]) for j in chunk]
+                ids = torch.tensor([[self.prefix_token_id] * p + rows[j][0] for p, j in zip(pad, chunk)])
+                real = torch.tensor([[0] * p + [1] * (n - p) for p in pad])
+                pos = (real.cumsum(-1) - 1).clamp(min=0)
+                targets = torch.tensor([[0] * (k - len(rows[j][1])) + rows[j][1] for j in chunk])  # [b, k]
+                scored = torch.tensor([[False] * (k - len(rows[j][1])) + [True] * len(rows[j][1]) for j in chunk])
+                logits = model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                               attention_mask=real.to(self.device), use_cache=False, logits_to_keep=k).logits
+                self.backbone.nfe += 1
+                self.backbone.tokens_in += int(real.sum())
+                self.backbone.logits_rows += len(chunk) * k
+                logp = F.log_softmax(logits[:, -k:].float(), dim=-1)  # [b, k, V]: row j predicts targets[:, j]
+                targets, scored = targets.to(self.device), scored.to(self.device)
+                token_logp = torch.where(scored, logp.gather(-1, targets[..., None]).squeeze(-1), 0.0)  # [b, k]
+                greedy = ((logp.argmax(-1) == targets) | ~scored).all(-1)  # [b]
+                sums, hits = host.to_host(token_logp.sum(-1), greedy)
+                for j, ll, hit in zip(chunk, sums, hits):
+                    out[j] = (float(ll), bool(hit))
+                bar.update(len(chunk))
+        return out
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """The harness's convention: trailing spaces of the context move to the continuation; the
@@ -421,26 +448,31 @@ class RefusionLM(LM):
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         self._require_causal("loglikelihood")
-        out = []
-        for req in tqdm(requests, desc="refusion loglikelihood", disable=disable_tqdm or self.rank != 0):
-            context, continuation = req.args
-            ctx, cont = self._encode_pair(context, continuation)
-            res = self._continuation_logprob(ctx, cont) if cont else (0.0, True)
-            self.cache_hook.add_partial("loglikelihood", (context, continuation), res)
-            out.append(res)
+        pairs = [self._encode_pair(*req.args) for req in requests]
+        scored = [j for j, (_, cont) in enumerate(pairs) if cont]  # an empty continuation scores (0.0, True)
+        results = self._continuation_logprobs([pairs[j] for j in scored], "refusion loglikelihood", disable_tqdm)
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
+        for j, res in zip(scored, results):
+            out[j] = res
+        for req, res in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood", tuple(req.args), res)
         return out
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         self._require_causal("loglikelihood_rolling")
-        out = []
-        for req in tqdm(requests, desc="refusion loglikelihood_rolling", disable=disable_tqdm or self.rank != 0):
+        windows, owner = [], []  # every request's disjoint windows, scored together
+        for j, req in enumerate(requests):
             (string,) = req.args
             tokens = list(self.tokenizer.encode(string, add_special_tokens=False))
-            windows = map(make_disjoint_window, get_rolling_token_windows(
-                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1))
-            total = sum(self._continuation_logprob(list(ctx), list(cont))[0] for ctx, cont in windows)
-            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            out.append(total)
-        return out
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
+                windows.append((list(ctx), list(cont)))
+                owner.append(j)
+        totals = [0.0] * len(requests)
+        for j, (ll, _) in zip(owner, self._continuation_logprobs(windows, "refusion loglikelihood_rolling", disable_tqdm)):
+            totals[j] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", tuple(req.args), total)
+        return totals
