@@ -1,4 +1,4 @@
-"""The scripts under scripts/ that CI can run: the GPU bench's CPU smoke run and the decode comparison."""
+"""The scripts under scripts/ that CI can run: the GPU bench's CPU smoke run, the decode comparison and the loss-memory probe."""
 
 from __future__ import annotations
 
@@ -109,3 +109,11 @@ def test_paired_runs_pairs_two_runs_and_classifies_where_misses_start(tmp_path, 
     assert "B: 1 misses where ar is right; first difference in the Total: line 0, only in a tens digit 0" in out
     assert run_script("paired_runs.py", str(tmp_path), "A", "C") == 2
     assert "no sample of task 'arith' holds both runs 'A' and 'C'" in capsys.readouterr().err
+
+
+def test_loss_memory_runs_both_modes_on_a_widened_model(capsys):
+    assert run_script("loss_memory.py", "--vocab", "2048", "--dtype", "float32", "--batch", "2", "--json") == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["mode"] for r in rows] == ["one-pass", "chunked"]
+    assert rows[0]["loss"] == rows[1]["loss"] and rows[0]["logits_rows"] == rows[1]["logits_rows"] > 0
+    assert all(r["peak_gb_above_load"] >= 0 and r["seconds"] > 0 for r in rows)

@@ -446,3 +446,35 @@ def test_label_logits_with_a_model_that_ignores_logits_to_keep(tok, pairs):
     assert logits.shape == want.shape == (len(pairs), batch.label_positions.numel(), model.config.vocab_size)
     assert torch.allclose(logits, want, atol=1e-6)
     assert torch.equal(targets.labels, batch.labels[:, batch.label_positions])
+
+
+@pytest.mark.parametrize("name", ["ar", "refusion", "mdm"])
+def test_cross_entropy_in_checkpointed_chunks_equals_one_pass(tok, pairs, name, monkeypatch):
+    """Above CE_CHUNK_ELEMENTS 16-bit logits the loss runs chunk by chunk, each chunk recomputed in the
+    backward pass; loss, metrics and gradients are those of one pass. Float32 logits take one pass."""
+    import refusion.core.objective as objective_module
+
+    def run(dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        obj = OBJECTIVES[name].from_tokenizer(tok)
+        model = build_model(tok, "micro", attention=obj.attention).to(dtype)
+        loss, metrics = obj.loss(model, obj.make_batch(pairs, torch.Generator().manual_seed(2)))
+        loss.backward()
+        return loss.item(), metrics, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    whole = run()
+    calls = []
+    real_rows_ce = objective_module._rows_ce
+    monkeypatch.setattr(objective_module, "_rows_ce", lambda x, y: calls.append(len(y)) or real_rows_ce(x, y))
+    monkeypatch.setattr(objective_module, "CE_CHUNK_ELEMENTS", 5 * len(tok))  # 5 rows per chunk
+    chunked = run()
+    n_chunks = len(calls) // 2
+    assert n_chunks > 3 and max(calls) == 5
+    assert sorted(calls[:n_chunks]) == sorted(calls[n_chunks:])  # the backward pass recomputes each chunk once
+    assert chunked[0] == pytest.approx(whole[0], rel=1e-6)
+    assert chunked[1] == pytest.approx(whole[1], rel=1e-6, nan_ok=True)
+    for n, g in whole[2].items():
+        assert torch.allclose(chunked[2][n], g, rtol=1e-5, atol=1e-7), n
+    calls.clear()
+    run(torch.float32)
+    assert len(calls) == 1  # float32 logits: one pass over every row, nothing recomputed

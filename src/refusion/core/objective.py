@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 IGNORE = -100
 
@@ -137,9 +138,10 @@ class Objective(ABC):
     # -- helpers shared by the objectives ---------------------------------------------------
     @staticmethod
     def forward_logits(model: torch.nn.Module, batch: Batch, positions: Tensor | None = None) -> Tensor:
-        """fp32 logits ``[B, L, V]``, or ``[B, K, V]`` at ``positions [K]`` only: just those rows go through
-        the output head (``logits_to_keep``) and are cast to float32. Always passes position ids and a
-        mask, never a cache."""
+        """Logits ``[B, L, V]`` in the model's dtype, or ``[B, K, V]`` at ``positions [K]`` only: just those
+        rows go through the output head (``logits_to_keep``). :meth:`token_ce` computes in float32 chunk
+        by chunk, so no float32 copy of all of them is made. Always passes position ids and a mask,
+        never a cache."""
         keep = 0 if positions is None else positions.to(batch.input_ids.device)
         out = model(
             input_ids=batch.input_ids,
@@ -151,20 +153,43 @@ class Objective(ABC):
         logits = out.logits
         if positions is not None and logits.shape[1] != keep.numel():  # a model that ignores logits_to_keep
             logits = logits[:, keep]
-        return logits.float()
+        return logits
 
     @classmethod
     def label_logits(cls, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Targets]:
-        """fp32 logits ``[B, K, V]`` at the batch's :attr:`~Batch.label_positions` and the
-        :class:`Targets` there. Positions no row has a label at (the prompt, padding) cost no
-        full-vocabulary row: at a 151,936-token vocabulary each row is 0.6 MB of float32 logits, and as
-        much again for its gradient."""
+        """Logits ``[B, K, V]`` at the batch's :attr:`~Batch.label_positions` and the :class:`Targets`
+        there. Positions no row has a label at (the prompt, padding) cost no full-vocabulary row: at a
+        151,936-token vocabulary each row is 0.6 MB of float32 logits, and as much again for its
+        gradient."""
         return cls.forward_logits(model, batch, batch.label_positions), batch.targets()
 
     @staticmethod
     def token_ce(logits: Tensor, labels: Tensor) -> Tensor:
-        """Per-token cross entropy ``[B, L]`` (0 where the label is ignored)."""
+        """Per-token cross entropy ``[B, L]`` in float32 (0 where the label is ignored) from ``logits
+        [B, L, V]`` of any float dtype.
+
+        When gradients flow through 16-bit logits of more than :data:`CE_CHUNK_ELEMENTS` values, it runs
+        on chunks of rows, each recomputed in the backward pass (activation checkpointing): one chunk's
+        float32 copy and log-softmax are alive at a time, not a float32 copy of all the logits and their
+        log-softmax, which the backward pass would keep (2.5 GB each at 4,096 labelled positions of a
+        151,936-token vocabulary). Each row is its own computation, so the values equal the unchunked
+        ones. Float32 logits need no copy, and their log-softmax in one pass costs no more memory at its
+        peak than the chunks' recomputation, so they take one pass."""
         b, l, v = logits.shape
-        ce = F.cross_entropy(logits.reshape(b * l, v), labels.reshape(b * l), ignore_index=IGNORE, reduction="none")
-        return ce.reshape(b, l)
+        rows, row_labels = logits.reshape(b * l, v), labels.reshape(b * l)
+        per_chunk = max(1, CE_CHUNK_ELEMENTS // v)
+        sixteen_bit = logits.dtype in (torch.bfloat16, torch.float16)
+        if b * l <= per_chunk or not (sixteen_bit and torch.is_grad_enabled() and logits.requires_grad):
+            return _rows_ce(rows, row_labels).reshape(b, l)
+        chunks = zip(rows.split(per_chunk), row_labels.split(per_chunk))  # one SplitBackward for all chunks
+        return torch.cat([checkpoint(_rows_ce, r, y, use_reentrant=False) for r, y in chunks]).reshape(b, l)
+
+
+#: logits per cross-entropy chunk in :meth:`Objective.token_ce` (256 MB of float32)
+CE_CHUNK_ELEMENTS = 1 << 26
+
+
+def _rows_ce(logits: Tensor, labels: Tensor) -> Tensor:
+    """``logits [N, V]``, ``labels [N]`` -> float32 cross entropy ``[N]`` (0 where ignored)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="none")
 
