@@ -139,9 +139,9 @@ class Objective(ABC):
     @staticmethod
     def forward_logits(model: torch.nn.Module, batch: Batch, positions: Tensor | None = None) -> Tensor:
         """Logits ``[B, L, V]`` in the model's dtype, or ``[B, K, V]`` at ``positions [K]`` only: just those
-        rows go through the output head (``logits_to_keep``). :meth:`token_ce` computes in float32 chunk
-        by chunk, so no float32 copy of all of them is made. Always passes position ids and a mask,
-        never a cache."""
+        rows go through the output head (``logits_to_keep``). :meth:`token_ce` casts them to float32 (chunk
+        by chunk when they are 16-bit and need gradients). Always passes position ids and a mask, never
+        a cache."""
         keep = 0 if positions is None else positions.to(batch.input_ids.device)
         out = model(
             input_ids=batch.input_ids,
