@@ -477,4 +477,14 @@ def test_cross_entropy_in_checkpointed_chunks_equals_one_pass(tok, pairs, name, 
         assert torch.allclose(chunked[2][n], g, rtol=1e-5, atol=1e-7), n
     calls.clear()
     run(torch.float32)
-    assert len(calls) == 1  # float32 logits: one pass over every row, nothing recomputed
+    assert len(calls) == 1  # float32 logits with gradients: one pass over every row, nothing recomputed
+    calls.clear()
+    with torch.no_grad():
+        obj = OBJECTIVES[name].from_tokenizer(tok)
+        model = build_model(tok, "micro", attention=obj.attention)
+        loss, _ = obj.loss(model, obj.make_batch(pairs, torch.Generator().manual_seed(2)))
+    assert len(calls) == n_chunks and max(calls) == 5  # without gradients: chunks, none recomputed
+    monkeypatch.setattr(objective_module, "CE_CHUNK_ELEMENTS", 1 << 26)
+    with torch.no_grad():
+        assert obj.loss(model, obj.make_batch(pairs, torch.Generator().manual_seed(2)))[0].item() == \
+            pytest.approx(loss.item(), rel=1e-6)

@@ -168,20 +168,23 @@ class Objective(ABC):
         """Per-token cross entropy ``[B, L]`` in float32 (0 where the label is ignored) from ``logits
         [B, L, V]`` of any float dtype.
 
-        When gradients flow through 16-bit logits of more than :data:`CE_CHUNK_ELEMENTS` values, it runs
-        on chunks of rows, each recomputed in the backward pass (activation checkpointing): one chunk's
+        Logits of more than :data:`CE_CHUNK_ELEMENTS` values go in chunks of rows, so that one chunk's
         float32 copy and log-softmax are alive at a time, not a float32 copy of all the logits and their
-        log-softmax, which the backward pass would keep (2.5 GB each at 4,096 labelled positions of a
-        151,936-token vocabulary). Each row is its own computation, so the values equal the unchunked
-        ones. Float32 logits need no copy, and their log-softmax in one pass costs no more memory at its
-        peak than the chunks' recomputation, so they take one pass."""
+        log-softmax (2.5 GB each at 4,096 labelled positions of a 151,936-token vocabulary): without
+        gradients (evaluation) always; with gradients when the logits are 16-bit, each chunk then being
+        recomputed in the backward pass (activation checkpointing), since the backward pass would keep
+        every chunk's log-softmax. Float32 logits with gradients need no copy, and their log-softmax in
+        one pass costs no more memory at its peak than the recomputation, so they take one pass. Each
+        row is its own computation, so the values equal the unchunked ones."""
         b, l, v = logits.shape
         rows, row_labels = logits.reshape(b * l, v), labels.reshape(b * l)
         per_chunk = max(1, CE_CHUNK_ELEMENTS // v)
-        sixteen_bit = logits.dtype in (torch.bfloat16, torch.float16)
-        if b * l <= per_chunk or not (sixteen_bit and torch.is_grad_enabled() and logits.requires_grad):
+        with_grad = torch.is_grad_enabled() and logits.requires_grad
+        if b * l <= per_chunk or (with_grad and logits.dtype not in (torch.bfloat16, torch.float16)):
             return _rows_ce(rows, row_labels).reshape(b, l)
         chunks = zip(rows.split(per_chunk), row_labels.split(per_chunk))  # one SplitBackward for all chunks
+        if not with_grad:
+            return torch.cat([_rows_ce(r, y) for r, y in chunks]).reshape(b, l)
         return torch.cat([checkpoint(_rows_ce, r, y, use_reentrant=False) for r, y in chunks]).reshape(b, l)
 
 
