@@ -36,23 +36,18 @@ def test_generate_prints_the_completion_verbatim(model_dir, capsys, monkeypatch)
 
     real_generate = Decoder.generate
 
-    def bracketed(self, prompt_ids, **kw):
-        result = real_generate(self, prompt_ids, **kw)
-        result.text = "[bold]x[/bold] [1, 2]"
-        return result
+    def first_line_printed_for(text: str) -> str:
+        def generate(self, prompt_ids, **kw):
+            result = real_generate(self, prompt_ids, **kw)
+            result.text = text
+            return result
 
-    monkeypatch.setattr(Decoder, "generate", bracketed)
-    assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=4", "--prompt", "ab"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "[bold]x[/bold] [1, 2]"  # not read as rich markup
+        monkeypatch.setattr(Decoder, "generate", generate)
+        assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=4", "--prompt", "ab"]) == 0
+        return capsys.readouterr().out.splitlines()[0]
 
-    def empty(self, prompt_ids, **kw):
-        result = real_generate(self, prompt_ids, **kw)
-        result.text = ""
-        return result
-
-    monkeypatch.setattr(Decoder, "generate", empty)
-    assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=4", "--prompt", "ab"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "(empty completion: the model ended at once)"
+    assert first_line_printed_for("[bold]x[/bold] [1, 2]") == "[bold]x[/bold] [1, 2]"  # not read as rich markup
+    assert first_line_printed_for("") == "(empty completion: the model ended at once)"
 
 
 def test_empty_prompt_is_refused_before_loading_a_model(capsys):
