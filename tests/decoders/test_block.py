@@ -5,7 +5,9 @@ import torch
 from helpers import ban_token, decode_reading_host, force_token, make_tiny_qwen3, task_prompt
 
 from refusion.core.config import build_decoder
-from refusion.decoders.block import block_causal_mask, decoded_fraction
+from refusion.core.loop import Attention
+from refusion.core.masks import additive_mask, segment_allowed
+from refusion.decoders.block import decoded_fraction
 from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
 from refusion.tasks import get_task
@@ -54,8 +56,7 @@ def run(bb, **cfg):
 
 def test_mask_is_block_causal():
     seg = torch.tensor([-1, -1, 0, 0, 1, 1])
-    allowed = block_causal_mask(seg, cached=2, dtype=torch.float32)[0, 0] == 0
-    assert allowed.shape == (6, 8) and allowed[:, :2].all()  # every cached key visible
+    allowed = segment_allowed(seg, seg)
     expected = torch.tensor([
         [1, 1, 0, 0, 0, 0],  # prompt: prompt only (bidirectional)
         [1, 1, 0, 0, 0, 0],
@@ -64,8 +65,9 @@ def test_mask_is_block_causal():
         [1, 1, 1, 1, 1, 1],  # block 1: everything before + itself
         [1, 1, 1, 1, 1, 1],
     ], dtype=torch.bool)
-    assert torch.equal(allowed[:, 2:], expected)
-    assert block_causal_mask(seg, 0, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(allowed, expected)
+    assert Attention.block_causal(seg.tolist()).segment_ids(6) == seg.tolist()
+    assert additive_mask(allowed, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_decoded_fraction_is_one_minus_the_float32_mean_of_the_mask_flags():

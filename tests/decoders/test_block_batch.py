@@ -118,4 +118,4 @@ def test_a_finished_sequence_leaves_the_batch(blockc, kv_cache):
     assert res[0].token_ids == [blockc.eos_id] and res[0].stats.nfe == 1  # decided after its first step
     assert len(res[1].token_ids) == 16 and res[1].stats.nfe == res[1].stats.batch_nfe == 16
     assert rows[0][0] == 2 and all(fed == 1 for fed, _ in rows[1:])  # later forwards: the long row alone
-    assert all(cached == (1 if kv_cache else None) for _, cached in rows[1:])  # its cache row left too
+    assert all(cached == 1 for _, cached in rows[1:])  # its cache row left too (without kv_cache: scratch KV)

@@ -121,7 +121,7 @@ def test_committed_kv_equals_fresh_forward_over_buffer(backbone):
     res = run(backbone, gen_length=16, selector={"slot_threshold": 1.0}, verifier={"token_threshold": 0.5})
     ids, pos = torch.tensor(res.buffer_ids), torch.tensor(res.buffer_pos)
     full = backbone.forward(ids, pos, None)[0]
-    cache = backbone.new_cache()
+    cache = backbone.new_cache().kv
     n = len(PROMPT)
     backbone.forward(ids[:n], pos[:n], cache)
     step = backbone.forward(ids[n:], pos[n:], cache)[0]

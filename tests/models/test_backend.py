@@ -42,44 +42,44 @@ def test_cache_ops(backbone):
     bb = backbone
     ids, pos = torch.tensor([5, 6, 7, 8, 9]), torch.arange(5)
     cache = bb.new_cache()
-    bb.forward(ids, pos, cache)
-    keys0 = cache.layers[1].keys.clone()
-    bb.forward(torch.tensor([10, 11, 12]), torch.tensor([9, 7, 8]), cache, keep_kv=False)
-    assert torch.equal(cache.layers[1].keys, keys0)  # KV of a dropped forward leaves no trace
-    bb.forward(torch.tensor([10, 11]), torch.tensor([5, 6]), cache)
-    bb.crop(cache, 5)
-    assert torch.equal(cache.layers[1].keys, keys0)
+    bb.forward(ids, pos, cache.kv)
+    keys0 = cache.kv.layers[1].keys.clone()
+    bb.forward(torch.tensor([10, 11, 12]), torch.tensor([9, 7, 8]), cache.kv, keep_kv=False)
+    assert torch.equal(cache.kv.layers[1].keys, keys0)  # KV of a dropped forward leaves no trace
+    bb.forward(torch.tensor([10, 11]), torch.tensor([5, 6]), cache.kv)
+    cache.crop(5)
+    assert torch.equal(cache.kv.layers[1].keys, keys0)
     # fork into 2 rows, continue each differently, merge: equals row-wise continuations
-    fork = bb.fork(cache, 2)
-    assert bb.cache_rows(fork) == 2 and bb.cache_rows(cache) == 1
+    fork = cache.fork(2)
+    assert fork.n_rows() == 2 and cache.n_rows() == 1
     cont = torch.tensor([[20, 21, 22], [30, 31, 32]])
     cpos = torch.tensor([[5, 6, 7], [8, 9, 10]])
-    bb.forward(cont, cpos, fork)
-    single = bb.fork(cache, 1)
-    bb.forward(cont[1:], cpos[1:], single)
-    assert torch.allclose(fork.layers[1].keys[1], single.layers[1].keys[0], atol=1e-6)  # forked row == own run
-    merged = bb.fork(fork, 1)
-    bb.concat_rows(merged, 5, [3, 2])
-    k = merged.layers[1].keys
+    bb.forward(cont, cpos, fork.kv)
+    single = cache.fork(1)
+    bb.forward(cont[1:], cpos[1:], single.kv)
+    assert torch.allclose(fork.kv.layers[1].keys[1], single.kv.layers[1].keys[0], atol=1e-6)  # forked row == own run
+    merged = fork.fork(1)
+    merged.concat_rows(5, [3, 2])
+    k = merged.kv.layers[1].keys
     assert k.shape[0] == 1 and k.shape[-2] == 5 + 3 + 2
-    assert torch.equal(k[0, :, 5:8], fork.layers[1].keys[0, :, 5:8])
-    assert torch.equal(k[0, :, 8:10], fork.layers[1].keys[1, :, 5:7])
+    assert torch.equal(k[0, :, 5:8], fork.kv.layers[1].keys[0, :, 5:8])
+    assert torch.equal(k[0, :, 8:10], fork.kv.layers[1].keys[1, :, 5:7])
 
 
 def test_select_keeps_the_chosen_row(backbone):
     bb = backbone
     cache = bb.new_cache()
-    bb.forward(torch.tensor([[5, 6], [7, 8]]), torch.tensor([[0, 1], [0, 1]]), cache)
-    row1 = cache.layers[0].keys[1].clone()
-    bb.select(cache, [1])
-    assert torch.equal(cache.layers[0].keys[0], row1)
+    bb.forward(torch.tensor([[5, 6], [7, 8]]), torch.tensor([[0, 1], [0, 1]]), cache.kv)
+    row1 = cache.kv.layers[0].keys[1].clone()
+    cache.select([1])
+    assert torch.equal(cache.kv.layers[0].keys[0], row1)
 
 
 def test_permuted_positions_get_an_explicit_mask(backbone):
     """Without a cache, a permuted buffer must equal the cached continuation (no packed-sequence mask)."""
     ids, pos = torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([0, 1, 4, 5, 2, 3])
     full = backbone.forward(ids, pos, None)
-    cache = backbone.new_cache()
+    cache = backbone.new_cache().kv
     a = backbone.forward(ids[:2], pos[:2], cache)
     b = backbone.forward(ids[2:], pos[2:], cache)
     assert torch.allclose(full, torch.cat([a, b], dim=1), atol=1e-5)
@@ -156,9 +156,9 @@ def test_logits_only_at_the_rows_read(backbone):
     assert backbone.logits_rows == 3 + 4 + 3
     assert backbone.forward(ids, pos, None, logits_at=slice(5, None)).shape[1] == 0  # an empty slice is no rows
     assert backbone.logits_rows == 3 + 4 + 3
-    cache = backbone.new_cache()
+    cache = backbone.new_cache().kv
     assert backbone.forward(ids, pos, cache, logits_at=None) is None  # a prefill: KV, no logits
-    assert backbone.logits_rows == 10 and backbone.cache_len(cache) == 5
+    assert backbone.logits_rows == 10 and cache.get_seq_length() == 5
     step = backbone.forward(torch.tensor([10]), torch.tensor([5]), cache, logits_at=slice(-1, None))
     assert step.shape == (1, 1, full.shape[-1]) and step.dtype == torch.float32
     assert step[0, 0, backbone.mask_id] == torch.finfo(torch.float32).min  # [MASK] never generated

@@ -61,7 +61,7 @@ def test_incremental_equals_full(two_layer, data, prompt_len):
     ids = torch.cat([prompt] + [t for t, _ in slots])
     pos = torch.cat([torch.arange(prompt_len)] + [p for _, p in slots])
     full = two_layer.forward(ids, pos, None)[0]
-    cache = two_layer.new_cache()
+    cache = two_layer.new_cache().kv
     steps = [two_layer.forward(prompt, torch.arange(prompt_len), cache)[0]]
     steps += [two_layer.forward(t, p, cache)[0] for t, p in slots]
     assert torch.allclose(full, torch.cat(steps), atol=1e-4)
@@ -77,22 +77,22 @@ def test_cache_ops_match_fresh_forwards(two_layer, data, rows, drop):
     bb = two_layer
     prefix = torch.tensor(tokens)
     cache = bb.new_cache()
-    bb.forward(prefix, torch.arange(len(prefix)), cache)
-    snap = [l.keys.clone() for l in cache.layers]
+    bb.forward(prefix, torch.arange(len(prefix)), cache.kv)
+    snap = [l.keys.clone() for l in cache.kv.layers]
     extra = torch.arange(4, 4 + drop + 1)
-    bb.forward(extra, torch.arange(len(prefix), len(prefix) + len(extra)), cache)
-    bb.crop(cache, len(prefix))
-    assert all(torch.equal(a, l.keys) for a, l in zip(snap, cache.layers))
+    bb.forward(extra, torch.arange(len(prefix), len(prefix) + len(extra)), cache.kv)
+    cache.crop(len(prefix))
+    assert all(torch.equal(a, l.keys) for a, l in zip(snap, cache.kv.layers))
     conts = torch.randint(4, V, (rows, k))
     cpos = torch.arange(len(prefix), len(prefix) + k).expand(rows, -1)
-    fork = bb.fork(cache, rows)
-    bb.forward(conts, cpos, fork)
+    fork = cache.fork(rows)
+    bb.forward(conts, cpos, fork.kv)
     for r in range(rows):
-        alone = bb.fork(cache, 1)
-        bb.forward(conts[r], cpos[r], alone)
-        assert torch.allclose(fork.layers[1].keys[r], alone.layers[1].keys[0], atol=1e-5)
-    bb.concat_rows(fork, len(prefix), [k] * rows)
-    fresh = bb.fork(cache, 1)
-    bb.forward(conts[0], cpos[0], fresh)
-    assert torch.allclose(fork.layers[1].keys[0, :, : len(prefix) + k], fresh.layers[1].keys[0], atol=1e-5)
-    assert fork.layers[1].keys.shape[-2] == len(prefix) + rows * k
+        alone = cache.fork(1)
+        bb.forward(conts[r], cpos[r], alone.kv)
+        assert torch.allclose(fork.kv.layers[1].keys[r], alone.kv.layers[1].keys[0], atol=1e-5)
+    fork.concat_rows(len(prefix), [k] * rows)
+    fresh = cache.fork(1)
+    bb.forward(conts[0], cpos[0], fresh.kv)
+    assert torch.allclose(fork.kv.layers[1].keys[0, :, : len(prefix) + k], fresh.kv.layers[1].keys[0], atol=1e-5)
+    assert fork.kv.layers[1].keys.shape[-2] == len(prefix) + rows * k

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from refusion.core.loop import Commit, KVCache
 from refusion.core.types import DecodeResult, DecodeStats, LoopOutput, Proposal, Verdict
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
-
     from refusion.models.backend import Backbone
 
 
@@ -144,11 +144,11 @@ class CacheManager(Part):
 
     @abstractmethod
     def merge_rows(
-        self, backbone: "Backbone", rows: "DynamicCache", base_len: int, tokens: list[list[int]], positions: list[list[int]]
-    ) -> "DynamicCache":
-        """``rows``: S-row cache, each row = committed prefix (``base_len``) + its slot's tokens (at least
-        ``len(tokens[s])`` of them). Return a one-row cache holding the prefix followed by
-        ``tokens[0] + tokens[1] + ...`` in that order."""
+        self, backbone: "Backbone", rows: "KVCache", base_len: int, tokens: list[list[int]], positions: list[list[int]]
+    ) -> "KVCache":
+        """``rows``: S-row cache (:class:`~refusion.core.loop.KVCache`), each row = committed prefix
+        (``base_len``) + its slot's tokens (at least ``len(tokens[s])`` of them). Return a one-row cache
+        holding the prefix followed by ``tokens[0] + tokens[1] + ...`` in that order."""
 
 
 class Remasker(Part):
@@ -194,13 +194,25 @@ class Decoder(ABC):
     #: :meth:`generate_batch` decodes them one after another with :meth:`generate`
     batched: ClassVar[bool] = False
 
-    def generate(self, prompt_ids: list[int]) -> DecodeResult:
-        """Decode a completion of ``prompt_ids``; stats count only this call's forwards."""
+    def generate(self, prompt_ids: list[int], on_commit: Callable[[Commit], None] | None = None) -> DecodeResult:
+        """Decode a completion of ``prompt_ids``; stats count only this call's forwards. ``on_commit``
+        receives each :class:`~refusion.core.loop.Commit` (output that has become final) as it happens."""
+        steps = self.stream(prompt_ids)
+        while True:
+            try:
+                commit = next(steps)
+            except StopIteration as stop:
+                return stop.value
+            if on_commit is not None:
+                on_commit(commit)
+
+    def stream(self, prompt_ids: list[int]) -> Generator[Commit, None, DecodeResult]:
+        """Decode a completion of ``prompt_ids``, yielding its commits (concatenated: the output, left to
+        right; a committed token never changes) and returning the :class:`DecodeResult`."""
         prompt_ids = self._checked_prompt(prompt_ids)
         nfe0, tok0 = self.backbone.nfe, self.backbone.tokens_in
-        generator = torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
         t0 = time.perf_counter()
-        out = self._decode(prompt_ids, generator)
+        out = yield from self._decode_steps(prompt_ids, self.new_generator())
         self.backbone.check_finite()  # one synchronisation: every queued kernel has run
         wall = time.perf_counter() - t0
         stats = DecodeStats(
@@ -210,8 +222,10 @@ class Decoder(ABC):
         )
         return self._result(out, stats)
 
-    def generate_batch(self, prompts: list[list[int]]) -> list[DecodeResult]:
-        """Decode a completion of each prompt; results in prompt order.
+    def generate_batch(self, prompts: list[list[int]],
+                       on_commit: Callable[[int, Commit], None] | None = None) -> list[DecodeResult]:
+        """Decode a completion of each prompt; results in prompt order. ``on_commit(i, commit)`` receives
+        prompt i's commits as they happen.
 
         A decoder with ``batched = True`` decodes them together (:meth:`_decode_batch`): each forward call
         serves every sequence still decoding, and a finished sequence leaves the batch. Each result's
@@ -220,7 +234,8 @@ class Decoder(ABC):
         (the default for a third-party decoder) run :meth:`generate` on each prompt in turn."""
         prompts = [self._checked_prompt(p) for p in prompts]
         if not self.batched or len(prompts) == 1:
-            return [self.generate(p) for p in prompts]
+            return [self.generate(p, None if on_commit is None else (lambda c, i=i: on_commit(i, c)))
+                    for i, p in enumerate(prompts)]
         attn = getattr(self.backbone.model.config, "_attn_implementation", None)
         if attn == "flash_attention_2":
             raise ValueError(
@@ -228,9 +243,8 @@ class Decoder(ABC):
                 "'flash_attention_2' does not take; use sdpa or eager (--attn-implementation), or batch size 1"
             )
         nfe0 = self.backbone.nfe
-        generator = torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
         t0 = time.perf_counter()
-        outs = self._decode_batch(prompts, generator)
+        outs = self._decode_batch(prompts, self.new_generator(), on_commit=on_commit)
         self.backbone.check_finite()
         end = time.perf_counter()
         batch_tokens = sum(len(o.token_ids) for o in outs)
@@ -244,6 +258,10 @@ class Decoder(ABC):
             )
             results.append(self._result(out, stats))
         return results
+
+    def new_generator(self) -> torch.Generator:
+        """A sampling generator on the model's device, seeded with the ``seed`` option."""
+        return torch.Generator(device=self.backbone.device).manual_seed(self.options.seed)
 
     def _checked_prompt(self, prompt_ids: list[int]) -> list[int]:
         prompt_ids = [int(t) for t in prompt_ids]
@@ -261,7 +279,17 @@ class Decoder(ABC):
     def _decode(self, prompt_ids: list[int], generator: torch.Generator) -> LoopOutput:
         """Run the loop on a validated, non-empty prompt."""
 
-    def _decode_batch(self, prompts: list[list[int]], generator: torch.Generator) -> list[LoopOutput]:
+    def _decode_steps(self, prompt_ids: list[int], generator: torch.Generator) -> Generator[Commit, None, LoopOutput]:
+        """:meth:`_decode` as a stream of commits. This default commits the whole output at the end; a
+        decoder written as a loop (:class:`~refusion.decoders.common.LoopDecoder`) commits as it goes."""
+        out = self._decode(prompt_ids, generator)
+        if out.token_ids:
+            P = len(prompt_ids)
+            yield Commit(list(range(P, P + len(out.token_ids))), list(out.token_ids))
+        return out
+
+    def _decode_batch(self, prompts: list[list[int]], generator: torch.Generator,
+                      on_commit: Callable[[int, Commit], None] | None = None) -> list[LoopOutput]:
         """Run the loop on several validated, non-empty prompts in shared forward calls (``batched``
         decoders only); each output fills ``nfe``, ``tokens_in`` and ``finished_at``."""
         raise NotImplementedError(f"decoder {self.name!r} has no batched loop")

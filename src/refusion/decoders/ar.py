@@ -6,7 +6,7 @@ One prefill forward of the prompt yields the first token (logits of the last pos
 decides whether it was an EOS.
 
 Batched (:meth:`~refusion.core.interfaces.Decoder.generate_batch`): the same loop per sequence, run by
-:func:`~refusion.decoders.common.run_loops` over one :class:`~refusion.models.ragged.RaggedCache`: one
+:func:`~refusion.core.loop.run_loops` over one :class:`~refusion.models.kvcache.RaggedCache`: one
 prefill forward serves every prompt (each row its own length), then one ``[b, 1]`` forward per step for
 the b sequences still decoding; a sequence that emits EOS or reaches ``gen_length`` leaves the batch
 (its cache row is dropped). One host read per step for the whole batch.
@@ -17,30 +17,22 @@ from __future__ import annotations
 import torch
 
 from refusion.core.hookspecs import hookimpl
-from refusion.core.interfaces import Decoder, DecoderOptions
+from refusion.core.interfaces import DecoderOptions
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read
 from refusion.core.probs import row_argmax
 from refusion.core.types import IterationTrace, LoopOutput
-from refusion.decoders.common import LoopSteps, Read, run_loop, run_loops
-from refusion.models.ragged import ForwardRequest, RaggedCache
+from refusion.decoders.common import LoopDecoder
 
 LAST = slice(-1, None)
 
 
-class ArDecoder(Decoder):
+class ArDecoder(LoopDecoder):
     name = "ar"
     Options = DecoderOptions
     attention = ("causal",)
-    batched = True
 
-    def _decode(self, prompt_ids, generator):
-        return run_loop(self._loop(prompt_ids, self.backbone.new_cache()), self.backbone)
-
-    def _decode_batch(self, prompts, generator):
-        shared = RaggedCache(self.backbone)
-        return run_loops([self._loop(p, shared.new_view()) for p in prompts], self.backbone, shared)
-
-    def _loop(self, prompt_ids, cache) -> LoopSteps:
-        """One sequence's decode on ``cache``; yields its forwards and host reads (see :func:`run_loop`)."""
+    def _loop(self, prompt_ids, generator, cache) -> LoopSteps:
+        """One sequence's decode on ``cache``; yields its forwards, host reads and one commit per token."""
         bb = self.backbone
         P = len(prompt_ids)
         logits = yield ForwardRequest(cache, torch.tensor(prompt_ids), torch.arange(P), logits_at=LAST)  # [1, 1, V]
@@ -51,6 +43,7 @@ class ArDecoder(Decoder):
             (value,) = yield Read((token,))  # the one host read per token: EOS or not
             out.append(value[0][0])
             pos = P + len(out) - 1
+            yield Commit([pos], [out[-1]])
             trace.append(IterationTrace(block=0, stage="ar", scored=[], chosen=[pos], accepted=[(pos, 1)], forwards=1))
             if out[-1] in bb.eos_ids or len(out) >= self.options.gen_length:
                 break

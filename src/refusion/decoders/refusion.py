@@ -35,11 +35,11 @@ accepted, the drafted tokens) and once per Stage II-b round (rows finished, the 
 prefix, an EOS row, the filled tokens): ``2 + rounds`` per iteration, plus one per decode for the
 finiteness check. Adaptive slots and the ``sub_slot`` remasker each add one read where they act.
 
-The loop is a generator (:meth:`RefusionDecoder._loop`) that yields its forwards and reads:
-:func:`~refusion.decoders.common.run_loop` runs one sequence on a ``DynamicCache``;
-:func:`~refusion.decoders.common.run_loops` runs a batch, every sequence's reads at one point in one
-host read and their forwards (Stage I, II-a and every II-b row alike) in one model call over a
-:class:`~refusion.models.ragged.RaggedCache`, whose rows a finished sequence leaves.
+The loop is a generator (:meth:`RefusionDecoder._loop`) that yields its forwards, reads and commits
+(the verified left-to-right prefix of the output, as it grows): run alone on a sequence's own cache, or
+by :func:`~refusion.core.loop.run_loops` as a batch, every sequence's reads at one point in one host read
+and their forwards (Stage I, II-a and every II-b row alike) in one model call over a
+:class:`~refusion.models.kvcache.RaggedCache`, whose rows a finished sequence leaves.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ from torch import Tensor
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
-from refusion.core.interfaces import Decoder, DecoderOptions
+from refusion.core.interfaces import DecoderOptions
+from refusion.core.loop import ForwardRequest, LoopSteps, Read
 from refusion.core.probs import next_token_probs, row_argmax, row_logsumexp
 from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
-from refusion.decoders.common import LoopSteps, Read, cut_after_eos, run_loop, run_loops
+from refusion.decoders.common import FinalPrefix, LoopDecoder, cut_after_eos
 from refusion.models.backend import ALL_ROWS
-from refusion.models.ragged import ForwardRequest, RaggedCache
 
 
 class RefusionOptions(DecoderOptions):
@@ -125,22 +125,13 @@ def pad_slots(values: Tensor, sizes: list[int], fill: float | int = 0) -> tuple[
     return out.masked_fill(fill_mask, fill), valid
 
 
-class RefusionDecoder(Decoder):
+class RefusionDecoder(LoopDecoder):
     name = "refusion"
     Options = RefusionOptions
     attention = ("causal",)
-    batched = True
 
-    def _decode(self, prompt_ids, generator):
-        return run_loop(self._loop(prompt_ids, generator, self.backbone.new_cache), self.backbone)
-
-    def _decode_batch(self, prompts, generator):
-        shared = RaggedCache(self.backbone)
-        return run_loops([self._loop(p, generator, shared.new_view) for p in prompts], self.backbone, shared)
-
-    def _loop(self, prompt_ids, generator, new_cache) -> LoopSteps:
-        """One sequence's decode; yields its forwards and host reads (see :func:`run_loop`). ``new_cache``
-        makes its KV cache (a DynamicCache alone, a view of the batch's cache in a batch)."""
+    def _loop(self, prompt_ids, generator, cache) -> LoopSteps:
+        """One sequence's decode on ``cache``; yields its forwards, host reads and commits."""
         o: RefusionOptions = self.options
         bb = self.backbone
         P = len(prompt_ids)
@@ -148,27 +139,32 @@ class RefusionDecoder(Decoder):
         st = DecodeState(ids=list(prompt_ids), pos=list(range(P)), prompt_len=P)
         self._eos = from_host(sorted(bb.eos_ids), bb.device)
         block_len = o.padded_length // o.serial_blocks
-        cache = None
+        final = FinalPrefix(P, o.gen_length, bb.eos_ids)
         trace: list[IterationTrace] = []
         for b in range(o.serial_blocks):
             st.pool = [Slot(P + b * block_len + i, o.slot_size) for i in range(0, block_len, o.slot_size)]
             st.next_logits = None
             while st.pool:
                 nfe0 = bb.nfe
-                cache, it = yield from self._iteration(st, cache, b, generator, new_cache)
+                cache, it = yield from self._iteration(st, cache, b, generator)
                 it.forwards = bb.nfe - nfe0
                 trace.append(it)
+                final.learn(st.pos[P:], st.ids[P:])
+                if commit := final.commit():
+                    yield commit
             if st.stop:
                 break
         ids = cut_after_eos(st.generated_in_position_order(), bb.eos_ids)[: o.gen_length]
+        if commit := final.finish(ids):
+            yield commit
         ratios = [it.tokens / it.forwards for it in trace if it.forwards]
         return LoopOutput(ids, trace, st.ids, st.pos, sum(ratios) / len(ratios) if ratios else 0.0)
 
     # ------------------------------------------------------------------ one iteration
-    def _iteration(self, st: DecodeState, cache, block: int, generator, new_cache):
+    def _iteration(self, st: DecodeState, cache, block: int, generator):
         """Stage I (draft, score, select), Stage II-a (verify the chosen drafts), else Stage II-b.
         -> (cache, trace)."""
-        cache, drafted, proposal, fused = yield from self._stage_one(st, cache, generator, new_cache)
+        cache, drafted, proposal, fused = yield from self._stage_one(st, cache, generator)
         scores = self.parts["scorer"].score(proposal)  # [n_drafted]
         selected = self.parts["selector"].select(scores)  # [n_drafted] bool
         score_values, selected_flags = yield Read((scores, selected))  # host read 1
@@ -185,7 +181,7 @@ class RefusionDecoder(Decoder):
         return (yield from self._stage_two_a(st, cache, trace, chosen, draft_ids, draft_probs))
 
     # ------------------------------------------------------------------ Stage I
-    def _stage_one(self, st: DecodeState, cache, generator, new_cache):
+    def _stage_one(self, st: DecodeState, cache, generator):
         """One forward of the drafted slots' [MASK]s at their original positions after the committed
         buffer (KV dropped again) -> (cache, drafted slots, proposal ``[n_drafted, k_max]``, whether the
         logits came from the previous II-a forward: fused scheduling)."""
@@ -197,11 +193,11 @@ class RefusionDecoder(Decoder):
         else:
             mask_pos = [p for s in drafted for p in s.positions]  # [N]
             masks = [bb.mask_id] * len(mask_pos)
-            if cache is None:  # first call: the prompt's prefill rides along, its logits are not computed
-                cache, base = new_cache(), len(st.ids)
+            if cache.length() == 0:  # first call: the prompt's prefill rides along, its logits are not computed
+                base = len(st.ids)
                 logits = (yield ForwardRequest(cache, torch.tensor(st.ids + masks), torch.tensor(st.pos + mask_pos),
                                                logits_at=slice(base, None)))[0]
-                bb.crop(cache, base)
+                cache.crop(base)
             else:
                 logits = (yield ForwardRequest(cache, torch.tensor(masks), torch.tensor(mask_pos), keep_kv=False,
                                                logits_at=ALL_ROWS))[0]  # [N, V]
@@ -236,11 +232,11 @@ class RefusionDecoder(Decoder):
         prefix_len, accepted_slots, drafts = yield Read((verdict.prefix_len, verdict.accepted_slots, flat_ids))  # read 2
         eos_at = next((i for i, t in enumerate(drafts[:prefix_len]) if t in bb.eos_ids), None)
         if eos_at is None and accepted_slots == 0:
-            bb.crop(cache, base)
+            cache.crop(base)
             return (yield from self._stage_two_b(st, cache, trace, chosen, draft_ids, valid, verdict.passed,
                                                  draft_probs, ar_probs))
         n_tok = eos_at + 1 if eos_at is not None else sum(sizes[:accepted_slots])
-        bb.crop(cache, base + n_tok)
+        cache.crop(base + n_tok)
         st.commit(drafts[:n_tok], flat_pos[:n_tok])
         ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
         done = chosen[: next(i for i, e in enumerate(ends) if e >= n_tok) + 1]
@@ -260,7 +256,7 @@ class RefusionDecoder(Decoder):
                 chosen, valid, drafts, passed, draft_probs, ar_probs)
         base, S, k = len(st.ids), len(chosen), drafts.shape[1]
         trace.stage = "II-b"
-        bb.repeat_rows(cache, S)
+        cache.repeat_rows(S)
         filled = drafts.clone()  # [S, k] tokens of every row, verified or not
         positions = from_host([[s.start + j for j in range(k)] for s in chosen], bb.device)  # [S, k]
         verified = torch.cumprod(passed.int(), dim=-1).bool() | ~valid  # [S, k] (padding counts as done)
@@ -293,9 +289,9 @@ class RefusionDecoder(Decoder):
                     t[:S] for t in (filled, positions, verified, valid, confidence))
                 verified[eos_row] = True
                 chosen = chosen[:S]
-                bb.select(cache, list(range(S)))
+                cache.select(list(range(S)))
             kept = kept + gain if finished else kept + gain - 1
-            bb.crop(cache, base + kept)
+            cache.crop(base + kept)
             if finished:
                 break
         return self._commit_rows(st, cache, trace, chosen, tokens[:S], confidence, eos_row)
@@ -333,8 +329,8 @@ class RefusionDecoder(Decoder):
             keep[-1] = lengths[-1]  # the EOS slot is kept whole: it ends the text
         rows = [tokens[i][:m] for i, m in enumerate(keep)]
         rows_pos = [list(range(s.start, s.start + m)) for s, m in zip(chosen, keep)]
-        if len(rows) < bb.cache_rows(cache):
-            bb.select(cache, list(range(len(rows))))
+        if len(rows) < cache.n_rows():
+            cache.select(list(range(len(rows))))
         cache = self.parts["cache"].merge_rows(bb, cache, base, rows, rows_pos)
         for r, p in zip(rows, rows_pos):
             st.commit(r, p)

@@ -4,25 +4,24 @@ Every forward goes through :meth:`Backbone.forward`, which counts forward calls 
 logits rows computed, passes an attention mask wherever there is no cache (transformers builds a
 packed-sequence mask for non-monotone position ids without one), computes logits only at the positions
 the caller reads, keeps them on the model's device, flags non-finite logits, and sets the [MASK] logit
-to the lowest float, so no decoder ever emits [MASK] as a token. The cache operations the decoders
-need (crop, fork into N rows, select rows, append per-row KV) are methods here, written against transformers 5.x
-``DynamicCache`` (``cache.layers[i].keys`` / ``.values``, shape ``[B, n_kv_heads, T, head_dim]``).
+to the lowest float, so no decoder ever emits [MASK] as a token. The KV caches the decoders run on, and
+their operations, live in :mod:`refusion.models.kvcache`; :meth:`Backbone.forward` takes any transformers
+``Cache`` of 5.x.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from refusion.core import host
 from refusion.core.errors import MaskTokenError
 from refusion.models.loading import resolve_model_path
-from refusion.models.ragged import CacheView, ForwardRequest
+from refusion.models.kvcache import DenseCache
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -146,12 +145,13 @@ class Backbone:
             torch.cuda.synchronize(self.device)
 
     # ----------------------------------------------------------------- forward
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self) -> DenseCache:
+        """An empty KV cache for one sequence (:class:`~refusion.models.kvcache.DenseCache`)."""
+        return DenseCache(self)
 
     @torch.no_grad()
     def forward(
-        self, ids: Tensor, pos: Tensor, cache: DynamicCache | None, keep_kv: bool = True,
+        self, ids: Tensor, pos: Tensor, cache: Cache | None, keep_kv: bool = True,
         attn_mask: Tensor | None = None, logits_at: LogitsAt = ALL_ROWS,
     ) -> Tensor | None:
         """Logits ``[B, n, V]`` (float32, on ``self.device``) of ``ids [B, T]`` at positions ``pos [B, T]``
@@ -170,13 +170,9 @@ class Backbone:
         """
         if ids.dim() == 1:
             ids, pos = ids[None], pos[None]
-        if isinstance(cache, CacheView):  # one sequence of a batch: a forward of its rows alone
-            if attn_mask is not None:
-                raise ValueError("a batched cache row takes no attention mask (it attends causally to its own tokens)")
-            return cache.owner.forward([ForwardRequest(cache, ids, pos, keep_kv, logits_at)], self.eos_id)[0]
         ids = ids.to(self.device, non_blocking=True)
         pos = pos.to(self.device, non_blocking=True)
-        past = self.cache_len(cache) if cache is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
         T = ids.shape[1]
         if attn_mask is not None:
             if attn_mask.dim() != 4 or tuple(attn_mask.shape[-2:]) != (T, past + T):
@@ -199,8 +195,8 @@ class Backbone:
             self.forward_s += time.perf_counter() - t0
         self.nfe += 1
         self.tokens_in += ids.numel()
-        if cache is not None and not keep_kv:
-            self.crop(cache, past)
+        if cache is not None and not keep_kv and cache.get_seq_length() > past:
+            cache.crop(past - cache.get_seq_length())  # transformers 5 crops by a negative count
         logits = None
         if logits_at is not None:
             logits = out.logits
@@ -236,76 +232,3 @@ class Backbone:
                 f"a forward produced NaN/inf logits (dtype {self.model.dtype}); check the checkpoint "
                 "and try --dtype float32"
             )
-
-    # ------------------------------------------------------------ cache ops
-    # Each operation also takes a CacheView (one sequence's rows of a batch's RaggedCache).
-    @staticmethod
-    def cache_len(cache: DynamicCache | CacheView) -> int:
-        if isinstance(cache, CacheView):
-            return cache.length()
-        return cache.get_seq_length()
-
-    @staticmethod
-    def cache_rows(cache: DynamicCache | CacheView) -> int:
-        if isinstance(cache, CacheView):
-            return len(cache)
-        return int(cache.layers[0].keys.shape[0]) if cache.layers and cache.layers[0].keys is not None else 1
-
-    @classmethod
-    def crop(cls, cache: DynamicCache | CacheView, length: int) -> None:
-        """Keep the first ``length`` tokens of every row."""
-        if isinstance(cache, CacheView):
-            return cache.crop(length)
-        drop = cls.cache_len(cache) - length
-        if drop < 0:
-            raise ValueError(f"cannot crop a cache of {cls.cache_len(cache)} tokens to {length}")
-        if drop:
-            cache.crop(-drop)
-
-    @staticmethod
-    def fork(cache: DynamicCache, n: int) -> DynamicCache:
-        """A new cache with each row repeated ``n`` times (the original is untouched)."""
-        out = copy.deepcopy(cache)
-        if n != 1:
-            out.batch_repeat_interleave(n)
-        return out
-
-    @staticmethod
-    def repeat_rows(cache: DynamicCache, n: int) -> None:
-        """In place: each row repeated ``n`` times (rows ``[r0]*n + [r1]*n + ...``)."""
-        if isinstance(cache, CacheView):
-            return cache.repeat_rows(n)
-        if n != 1:
-            cache.batch_repeat_interleave(n)
-
-    @staticmethod
-    def select(cache: DynamicCache, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order), in place."""
-        if isinstance(cache, CacheView):
-            return cache.select(rows)
-        cache.batch_select_indices(host.from_host(rows, cache.layers[0].keys.device))
-
-    @staticmethod
-    def drop_span(cache: DynamicCache, start: int, end: int) -> None:
-        """In place: remove the KV of buffer entries ``start .. end-1`` (keys keep their RoPE positions)."""
-        for layer in cache.layers:
-            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=-2)
-            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
-
-    @classmethod
-    def concat_rows(cls, cache: DynamicCache, base_len: int, lengths: list[int]) -> None:
-        """In place, turn an S-row cache into one row: the shared prefix ``[:base_len]`` (from row 0)
-        followed by, for each row s in order, its own tokens ``base_len .. base_len+lengths[s]``. One row
-        is a crop (a view), not a copy of the whole cache."""
-        if isinstance(cache, CacheView):
-            return cache.concat_rows(base_len, lengths)
-        if len(lengths) == 1:
-            if cls.cache_rows(cache) > 1:
-                cls.select(cache, [0])
-            cls.crop(cache, base_len + lengths[0])
-            return
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                parts = [t[:1, :, :base_len]] + [t[s : s + 1, :, base_len : base_len + n] for s, n in enumerate(lengths)]
-                setattr(layer, name, torch.cat(parts, dim=-2))

@@ -14,25 +14,26 @@ import torch
 
 from refusion.core.hookspecs import hookimpl
 from refusion.core.interfaces import CacheManager
+from refusion.core.loop import ForwardRequest
 
 
 class KVConcat(CacheManager):
     def merge_rows(self, backbone, rows, base_len, tokens, positions):
-        backbone.concat_rows(rows, base_len, [len(t) for t in tokens])
+        rows.concat_rows(base_len, [len(t) for t in tokens])
         return rows
 
 
 class KVRecompute(CacheManager):
     def merge_rows(self, backbone, rows, base_len, tokens, positions):
-        if backbone.cache_rows(rows) == 1:
-            backbone.crop(rows, base_len + len(tokens[0]))
+        if rows.n_rows() == 1:
+            rows.crop(base_len + len(tokens[0]))
             return rows
-        backbone.select(rows, [0])
-        backbone.crop(rows, base_len)
+        rows.select([0])
+        rows.crop(base_len)
         ids = torch.tensor([t for row in tokens for t in row])
         pos = torch.tensor([p for row in positions for p in row])
         if ids.numel():
-            backbone.forward(ids[None], pos[None], rows, keep_kv=True, logits_at=None)
+            rows.forward(ForwardRequest(rows, ids, pos, logits_at=None))
         return rows
 
 

@@ -52,9 +52,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
+from refusion.core.masks import additive_mask
 from refusion.core.objective import IGNORE, Batch, Objective, Pair, Targets
-
-NEG = torch.finfo(torch.float32).min
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,11 +159,6 @@ def block_attention_allowed(kind: Tensor, block: Tensor, valid: Tensor) -> Tenso
     allowed = allowed & valid[None, :] & valid[:, None]
     eye = torch.eye(len(kind), dtype=torch.bool)
     return allowed | (eye & ~valid[:, None])
-
-
-def additive(allowed: Tensor) -> Tensor:
-    """bool ``allowed`` -> float additive mask (0 attend / finfo.min blocked), fp32."""
-    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, NEG)
 
 
 def _pad(rows: list[list[int]], value: int, length: int) -> list[list[int]]:
@@ -386,7 +380,7 @@ class MdmObjective(MaskedDiffusionObjective):
         return Batch(
             input_ids=torch.tensor(_pad(ids, self.pad_id, L)),
             position_ids=torch.arange(L).expand(B, L).clone(),
-            attention_mask=additive(allowed)[:, None],
+            attention_mask=additive_mask(allowed)[:, None],
             labels=torch.tensor(_pad(lab, IGNORE, L)),
             masked=torch.tensor([m + [False] * (L - len(m)) for m in msk]),
             weights=torch.tensor([w + [0.0] * (L - len(w)) for w in wts], dtype=torch.float32),
@@ -461,7 +455,7 @@ class BlockObjective(MaskedDiffusionObjective):
             kind = torch.tensor(r["kind"] + [3] * (L - n))
             block = torch.tensor(r["block"] + [-2] * (L - n))
             valid = torch.arange(L) < n
-            masks.append(additive(block_attention_allowed(kind, block, valid)))
+            masks.append(additive_mask(block_attention_allowed(kind, block, valid)))
         return Batch(
             input_ids=torch.tensor(_pad([r["input_ids"] for r in rows], self.pad_id, L)),
             position_ids=torch.tensor(_pad_positions([r["position_ids"] for r in rows], L)),

@@ -1,56 +1,127 @@
-"""A KV cache for a batch of sequences whose rows have different lengths (batched decoding).
+"""KV caches: one sequence's own cache and a batch's shared cache whose rows have their own lengths.
 
-Several sequences decode together; each owns one or more rows of one shared cache (ReFusion's Stage
-II-b gives a sequence one row per chosen slot), and every row has its own length. Layout per layer:
-``keys, values [R, n_kv_heads, C, head_dim]`` with capacity ``C``; row ``r`` holds its ``lengths[r]``
-tokens at columns ``0 .. lengths[r]-1``, in the order the sequence's single-row cache would hold them.
-A forward writes each row's new tokens right after that row's own length (a per-row offset, no gaps)
-and attends with a per-row mask, so no row ever pays for another row's length beyond the padding of
-the key dimension to the longest row. Crop is a change of a host integer; forking, reordering and
-dropping rows change a host mapping, which the next forward applies in one gather over rows.
+Both implement the :class:`~refusion.core.loop.KVCache` operations (length, rows, crop, select,
+repeat_rows, drop_span, concat_rows, forward of a :class:`~refusion.core.loop.ForwardRequest`), so a
+decoding loop runs unchanged on either.
 
-A sequence sees its rows through a :class:`CacheView`, which :class:`~refusion.models.backend.Backbone`'s
-cache operations (``crop``, ``select``, ``repeat_rows``, ``concat_rows``, ``cache_len``, ``cache_rows``)
-and ``forward`` accept in place of a ``DynamicCache``, so a decoding loop runs unchanged on either. The
-forward calls of several sequences are run as one model call by :meth:`RaggedCache.forward`.
+* :class:`DenseCache`: a single sequence's transformers ``DynamicCache`` (``cache.layers[i].keys`` /
+  ``.values``, ``[rows, n_kv_heads, T, head_dim]``).
+* :class:`RaggedCache`: several sequences decode together; each owns one or more rows of one shared
+  cache (ReFusion's Stage II-b gives a sequence one row per chosen slot) and sees them through a
+  :class:`CacheView`. Layout per layer: ``keys, values [R, n_kv_heads, C, head_dim]`` with capacity
+  ``C``; row ``r`` holds its ``lengths[r]`` tokens at columns ``0 .. lengths[r]-1``, in the order the
+  sequence's single-row cache would hold them. A forward writes each row's new tokens right after that
+  row's own length (a per-row offset, no gaps) and attends with a per-row mask, so no row pays for
+  another row's length beyond the padding of the key dimension to the longest row. Crop is a change of
+  a host integer; forking, reordering and dropping rows change a host mapping, which the next forward
+  applies in one gather over rows. The forwards of several sequences run as one model call
+  (:meth:`RaggedCache.forward`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import Cache
+from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from refusion.core.host import from_host
+from refusion.core.loop import ForwardRequest
+from refusion.core.masks import additive_mask, segment_allowed
+
+if TYPE_CHECKING:
+    from refusion.models.backend import Backbone
+
+#: segment of a key no query may see (a padding or stale column), and of a padding query
+_UNSEEN = 1 << 40
 
 
-@dataclass
-class ForwardRequest:
-    """One sequence's forward: ``ids, pos [r, T]`` fed after its cache's rows (``r`` = its rows), KV kept or
-    not, logits at ``logits_at`` (a slice or a list/1-D CPU index tensor of fed positions, or None). The
-    cache is a :class:`CacheView` in a batch, a ``DynamicCache`` (or None) when a sequence decodes alone."""
+def kv_geometry(config) -> tuple[int, int, int]:
+    """``(layers, kv heads, head dim)`` of a transformers config."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return int(config.num_hidden_layers), heads, head_dim
 
-    cache: "CacheView"
-    ids: Tensor
-    pos: Tensor
-    keep_kv: bool = True
-    logits_at: slice | list[int] | Tensor | None = field(default_factory=lambda: slice(None))
 
-    def columns(self) -> list[int]:
-        """The fed positions whose logits the request reads, as host integers."""
-        T = self.ids.shape[-1]
-        if self.logits_at is None:
-            return []
-        if isinstance(self.logits_at, slice):
-            return list(range(*self.logits_at.indices(T)))
-        if isinstance(self.logits_at, Tensor):
-            if self.logits_at.device.type != "cpu":
-                raise ValueError("a batched forward takes logits positions built on the host (a list or CPU tensor)")
-            return [int(i) for i in self.logits_at.numpy()]
-        return [int(i) for i in self.logits_at]
+def _logits_rows(logits_at) -> slice | Tensor | None:
+    """A request's ``logits_at`` as :meth:`Backbone.forward` takes it (a list becomes an index tensor)."""
+    if isinstance(logits_at, (list, tuple)):
+        return torch.tensor(logits_at, dtype=torch.long)
+    return logits_at
+
+
+class DenseCache:
+    """One sequence's KV cache: a transformers ``DynamicCache`` of one or more rows (``kv``)."""
+
+    def __init__(self, backbone: "Backbone", kv: DynamicCache | None = None) -> None:
+        self.backbone = backbone
+        self.kv = kv if kv is not None else DynamicCache(config=backbone.model.config)
+
+    def length(self) -> int:
+        return self.kv.get_seq_length()
+
+    def n_rows(self) -> int:
+        layer = self.kv.layers[0] if self.kv.layers else None
+        return int(layer.keys.shape[0]) if layer is not None and getattr(layer, "keys", None) is not None else 1
+
+    def crop(self, length: int) -> None:
+        drop = self.length() - length
+        if drop < 0:
+            raise ValueError(f"cannot crop a cache of {self.length()} tokens to {length}")
+        if drop:
+            self.kv.crop(-drop)
+
+    def select(self, rows: list[int]) -> None:
+        self.kv.batch_select_indices(from_host(rows, self.kv.layers[0].keys.device))
+
+    def repeat_rows(self, n: int) -> None:
+        if n != 1:
+            self.kv.batch_repeat_interleave(n)
+
+    def fork(self, n: int = 1) -> "DenseCache":
+        """A new cache with each row repeated ``n`` times (this one is untouched)."""
+        out = DenseCache(self.backbone, copy.deepcopy(self.kv))
+        out.repeat_rows(n)
+        return out
+
+    def drop_span(self, start: int, end: int) -> None:
+        for layer in self.kv.layers:
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=-2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=-2)
+
+    def concat_rows(self, base_len: int, lengths: list[int]) -> None:
+        """One row: the shared prefix ``[:base_len]`` (from row 0) followed by, for each row s in order, its
+        own tokens ``base_len .. base_len+lengths[s]``. One row is a crop (a view), not a copy."""
+        if len(lengths) == 1:
+            if self.n_rows() > 1:
+                self.select([0])
+            self.crop(base_len + lengths[0])
+            return
+        for layer in self.kv.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                parts = [t[:1, :, :base_len]] + [t[s : s + 1, :, base_len : base_len + n] for s, n in enumerate(lengths)]
+                setattr(layer, name, torch.cat(parts, dim=-2))
+
+    def forward(self, request: ForwardRequest) -> Tensor | None:
+        """Run ``request`` on this cache: causal over the cache by default (no mask: none is needed with a
+        cache), else the additive mask of its attention. A request that keeps no KV on an empty cache
+        runs without one."""
+        bb = self.backbone
+        ids, pos = (request.ids[None], request.pos[None]) if request.ids.dim() == 1 else (request.ids, request.pos)
+        T, past = ids.shape[1], self.length()
+        mask = None
+        if request.attention.kind == "full":
+            mask = torch.zeros(1, 1, T, past + T, dtype=bb.model.dtype, device=bb.device)
+        elif request.attention.kind != "causal":
+            seg = from_host(request.attention.segment_ids(T), bb.device)  # [T]
+            allowed = torch.cat([torch.ones(T, past, dtype=torch.bool, device=bb.device), segment_allowed(seg, seg)], 1)
+            mask = additive_mask(allowed, bb.model.dtype)[None, None]  # [1, 1, T, past + T]
+        kv = None if past == 0 and not request.keep_kv else self.kv
+        return bb.forward(ids, pos, kv, keep_kv=request.keep_kv, attn_mask=mask, logits_at=_logits_rows(request.logits_at))
 
 
 class OffsetLayer(DynamicLayer):
@@ -86,14 +157,6 @@ def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed:
     return Cache(layers=[OffsetLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
 
 
-def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """``allowed [B, T, K]`` bool (query t may attend key k) -> ``[B, 1, T, K]`` additive mask of ``dtype``
-    (0 where allowed, the dtype's lowest float elsewhere), for :meth:`~refusion.models.backend.Backbone.forward`.
-    Every query must be allowed at least one key (a padding query: itself), or attention yields NaN."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
-
-
 def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
     """``buffers [R, H, C, D]`` with at least ``capacity`` columns (dim 2), zero-filled beyond the old ones."""
     if buffers[0].shape[2] >= capacity:
@@ -115,12 +178,9 @@ class RaggedCache:
     forward, in the same copy that forward needs anyway, so a step in which several sequences fork,
     merge or finish copies the cache once, not once per change."""
 
-    def __init__(self, backbone) -> None:
+    def __init__(self, backbone: "Backbone") -> None:
         self.backbone = backbone
-        cfg = backbone.model.config
-        self.n_layers = int(cfg.num_hidden_layers)
-        self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.n_layers, self.n_kv_heads, self.head_dim = kv_geometry(backbone.model.config)
         self.keys: list[Tensor] = []  # per layer [rows of the buffers, n_kv_heads, C, head_dim]
         self.values: list[Tensor] = []
         self.lengths: list[int] = []  # per logical row
@@ -170,6 +230,16 @@ class RaggedCache:
             v.rows = other_rows.get(id(v), [])
         if not view.rows:
             self.views.remove(view)
+        if not self.lengths:  # the batch is empty: its buffers go
+            self.keys, self.values, self.phys = [], [], []
+
+    def release(self, view: "CacheView") -> None:
+        """The sequence of ``view`` has finished: its rows leave the batch."""
+        if view.rows:
+            self._set_rows(view, [])
+
+    def row_order(self, view: "CacheView") -> int:
+        return min(view.rows) if view.rows else len(self.lengths)
 
     def _materialize(self) -> None:
         """Gather the buffers into logical row order (one copy; none when they are in it already)."""
@@ -191,15 +261,16 @@ class RaggedCache:
             capacity = max(capacity, 2 * self.keys[0].shape[2])
             self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
 
-    def forward(self, requests: list[ForwardRequest], pad_id: int) -> list[Tensor | None]:
-        """Run every request in ONE model call (one forward of the backbone); returns each request's logits
-        ``[r, n, V]`` (its rows, its ``logits_at`` positions), or None where it asked for none.
+    def forward(self, requests: list[ForwardRequest]) -> list[Tensor | None]:
+        """Run every request in ONE model call; returns each request's logits ``[r, n, V]`` (its rows, its
+        ``logits_at`` positions), or None where it asked for none.
 
         Rows are padded on the right to the longest request's length; a padding token is written after
         the row's real ones and never counted (the row's length advances by its real tokens only, and
-        only with ``keep_kv``). Each row attends causally to its own tokens (mask: key ``j`` visible to
-        new token ``t`` iff ``j <= lengths[r] + t``). Logits are computed at the union of the requested
-        positions. When the requests cover every row, the buffers end in the requests' row order."""
+        only with ``keep_kv``). Each row attends to its cached tokens and to its new tokens as its
+        request's :class:`~refusion.core.loop.Attention` says; no real token sees padding. Logits are
+        computed at the union of the requested positions. When the requests cover every row, the
+        buffers end in the requests' row order."""
         bb = self.backbone
         dev, dtype = bb.device, bb.model.dtype
         rows = [r for req in requests for r in req.cache.rows]
@@ -219,13 +290,11 @@ class RaggedCache:
             index = from_host(physical, dev, torch.long)
             keys = [k.index_select(0, index) for k in self.keys]
             values = [v.index_select(0, index) for v in self.values]
-        ids = torch.cat([_pad_right(req.ids.to(dev), T, pad_id) for req in requests])  # [R', T]
+        ids = torch.cat([_pad_right(req.ids.to(dev), T, bb.eos_id) for req in requests])  # [R', T]
         pos = torch.cat([_pad_right(req.pos.to(dev), T, 0) for req in requests])  # [R', T]
         offsets = from_host(lengths, dev, torch.long)  # [R']
         width = past + T
-        visible = torch.arange(width, device=dev)[None, None, :] <= (
-            offsets[:, None, None] + torch.arange(T, device=dev)[None, :, None])  # [R', T, width]
-        mask = additive_mask(visible, dtype)
+        mask = additive_mask(self._allowed(requests, offsets, T, width), dtype)[:, None]  # [R', 1, T, width]
         cache = offset_cache(keys, values, offsets, T, width)
         wanted = [req.columns() for req in requests]
         union = sorted(set(c for cols in wanted for c in cols))
@@ -258,6 +327,24 @@ class RaggedCache:
             at += r
         return out
 
+    def _allowed(self, requests: list[ForwardRequest], offsets: Tensor, T: int, width: int) -> Tensor:
+        """``[R', T, width]`` bool: new token t of row r sees the row's cached columns (``< offsets[r]``) and
+        its new tokens whose segment is <= its own; padding tokens get segments no real token reaches."""
+        dev = offsets.device
+        cols = torch.arange(width, device=dev)
+        if all(req.attention.kind == "causal" for req in requests):  # key j visible to t iff j <= offset + t
+            return cols[None, None, :] <= offsets[:, None, None] + torch.arange(T, device=dev)[None, :, None]
+        segments = []
+        for req in requests:
+            n = req.ids.shape[-1]
+            seg = req.attention.segment_ids(n) + [_UNSEEN + t for t in range(n, T)]
+            segments += [seg] * len(req.cache.rows)
+        seg_q = from_host(segments, dev, torch.long)  # [R', T]
+        rel = cols[None, :] - offsets[:, None]  # [R', width]: the new token at each column, < 0 = cached
+        seg_k = seg_q.gather(1, rel.clamp(0, T - 1))
+        seg_k = torch.where(rel < 0, -1, torch.where(rel < T, seg_k, 2 * _UNSEEN))  # [R', width]
+        return segment_allowed(seg_q, seg_k)
+
 
 def _pad_right(t: Tensor, width: int, value: int) -> Tensor:
     if t.dim() == 1:
@@ -268,13 +355,13 @@ def _pad_right(t: Tensor, width: int, value: int) -> Tensor:
 
 
 class CacheView:
-    """One sequence's rows of a :class:`RaggedCache`; the cache operations of a single-sequence
-    ``DynamicCache`` (:class:`~refusion.models.backend.Backbone` dispatches to these)."""
+    """One sequence's rows of a :class:`RaggedCache`, with the :class:`~refusion.core.loop.KVCache`
+    operations."""
 
     def __init__(self, owner: RaggedCache, rows: list[int]) -> None:
         self.owner, self.rows = owner, rows
 
-    def __len__(self) -> int:  # rows
+    def n_rows(self) -> int:
         return len(self.rows)
 
     def length(self) -> int:
@@ -292,10 +379,25 @@ class CacheView:
     def select(self, rows: list[int]) -> None:
         self.owner._set_rows(self, [self.rows[i] for i in rows])
 
-    def release(self) -> None:
-        """The sequence has finished: its rows leave the batch."""
-        if self.rows:
-            self.owner._set_rows(self, [])
+    def forward(self, request: ForwardRequest) -> Tensor | None:
+        """Run ``request`` (on this view) alone: a model call for this sequence's rows only."""
+        return self.owner.forward([request])[0]
+
+    def _own_rows(self) -> None:
+        """Every row of this view has a buffer row of its own (it is about to be written in place)."""
+        o = self.owner
+        if any(o.phys.count(o.phys[r]) > 1 for r in self.rows):
+            o._materialize()
+
+    def drop_span(self, start: int, end: int) -> None:
+        o, n = self.owner, end - start
+        self._own_rows()
+        for r in self.rows:
+            length, p = o.lengths[r], o.phys[r]
+            for store in (o.keys, o.values):
+                for t in store:
+                    t[p, :, start : length - n] = t[p, :, end:length].clone()
+            o.lengths[r] = length - n
 
     def concat_rows(self, base_len: int, lengths: list[int]) -> None:
         """Row 0 keeps ``[:base_len]`` and gets row s's ``base_len .. base_len+lengths[s]`` appended for every
