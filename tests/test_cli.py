@@ -96,7 +96,59 @@ def test_train_grow_layers_saves_the_deeper_model_and_refuses_a_shallower_one(tm
            "2", "--limit", "8", "--threads", "1", "--no-progress"]
     assert main(run + ["--out", str(tmp_path / "deep"), "--grow-layers", "3"]) == 0
     assert load_pretrained(tmp_path / "deep")[0].config.num_hidden_layers == 3
+    manifest = json.loads((tmp_path / "deep" / "manifest.json").read_text())
+    assert manifest["command"] == "train" and manifest["inputs"]["grow_layers"] == 3
+    assert manifest["inputs"]["threads"] == manifest["torch_threads"] == 1
     with pytest.raises(SystemExit) as exit_info:
         main(run + ["--out", str(tmp_path / "never"), "--grow-layers", "2"])
     assert exit_info.value.code == 2
     assert "--grow-layers: num_layers must exceed the model's 2 layers" in capsys.readouterr().err
+
+
+COMMANDS = {  # every command that decodes or trains, with its required arguments
+    "generate": ["--model", "m", "--prompt", "p"], "bench": [], "batch-bench": [], "profile": [],
+    "ablate": ["x.yaml"], "results": [], "trace": [], "train": ["--out", "o"], "eval": ["--model", "m", "--tasks", "t"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_that_decodes_or_trains_takes_threads(command, capsys):
+    from refusion.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([command, *COMMANDS[command], "--threads", "auto"]).threads == "auto"
+    assert parser.parse_args([command, *COMMANDS[command]]).threads is None  # the command's default
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    assert "--threads N|auto" in capsys.readouterr().out
+
+
+def test_generate_decodes_in_one_thread_unless_told(model_dir, capsys):
+    """torch's default of one thread per core spin-waits beside another busy process; decoding commands
+    default to one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=2", "--prompt", "a"]) == 0
+        assert torch.get_num_threads() == 1
+        assert main(["generate", "--model", model_dir, "--decoder", "ar", "--set", "gen_length=2", "--prompt", "a",
+                     "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+        assert main(["generate", "--model", model_dir, "--decoder", "ar", "--prompt", "a", "--threads", "two"]) == 2
+        assert "--threads: expected a number of threads or 'auto', got 'two'" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_threads_are_the_free_physical_cores(monkeypatch):
+    from refusion.core import threads
+
+    monkeypatch.setattr(threads, "physical_cores", lambda: 4)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.2, 0.0, 0.0))
+    assert threads.resolve_threads("auto") == 3
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (7.0, 0.0, 0.0))
+    assert threads.resolve_threads("auto") == 1
+    assert threads.resolve_threads(None) == 1 and threads.resolve_threads(None, default=2) == 2
+    assert threads.resolve_threads(None, default=None) is None

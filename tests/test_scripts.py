@@ -117,3 +117,14 @@ def test_loss_memory_runs_both_modes_on_a_widened_model(capsys):
     assert [r["mode"] for r in rows] == ["one-pass", "chunked"]
     assert rows[0]["loss"] == rows[1]["loss"] and rows[0]["logits_rows"] == rows[1]["logits_rows"] > 0
     assert all(r["peak_gb_above_load"] >= 0 and r["seconds"] > 0 for r in rows)
+
+
+def test_thread_default_candidates_and_its_reading_of_a_bench_folder(tmp_path):
+    """scripts/thread_default.py (the measurement behind the default --threads): each candidate's flags and
+    environment, and refusion's speed-up read from a bench's results.json."""
+    script = runpy.run_path(str(SCRIPTS / "thread_default.py"))
+    assert script["candidate_flags"]("one", 4) == (["--threads", "1"], {})
+    assert script["candidate_flags"]("passive", 4) == (["--threads", "4"], {"OMP_WAIT_POLICY": "PASSIVE"})
+    (tmp_path / "results.json").write_text(json.dumps([
+        {"run": "ar", "task": "arith", "speedup_vs_ar": 1.0}, {"run": "refusion", "task": "arith", "speedup_vs_ar": 4.5}]))
+    assert script["speedups"](tmp_path) == {"arith": 4.5}

@@ -25,7 +25,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from refusion.models.backend import Backbone
     from refusion.models.tokenizer import encode_prompt
     from refusion.models.loading import runtime_from_args
+    from refusion.core.threads import set_threads
 
+    set_threads(args.threads)
     cfg = decoder_config(args.decoder, args.config, args.set)
     from refusion.core.config import validate_config
 
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", action="store_true", help="with --json: include the per-iteration trace")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
     _add_model_args(g)
+    from refusion.core.threads import add_threads_arg
+
+    add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plugins", help="list every registered part with its kind and origin")

@@ -76,3 +76,27 @@ def test_the_extender_takes_the_verifiers_threshold_unless_it_has_its_own():
                                       "extender": {"token_threshold": 0.6}})
     assert parts["verifier"].options.token_threshold == 0.3 and parts["extender"].options.token_threshold == 0.6
     assert dump_config("refusion", opts)["extender"] == {"name": "prefix", "token_threshold": 0.6}
+
+
+@pytest.mark.parametrize("sets", [["selector.slot_threshold=1.5", "selector=threshold"],
+                                  ["selector=threshold", "selector.slot_threshold=1.5"]])
+def test_a_part_name_set_after_its_option_keeps_it(sets):
+    """`--set selector=threshold` after `--set selector.slot_threshold=1.5` used to replace the mapping that
+    held the option, so 1.5 passed validation; in either order it now reaches validation and is refused."""
+    cfg = apply_overrides({"decoder": "refusion"}, sets)
+    assert cfg["selector"] == {"name": "threshold", "slot_threshold": 1.5}
+    with pytest.raises(ConfigError, match="selector.slot_threshold"):
+        validate_config(cfg)
+
+
+def test_overrides_keep_earlier_options_but_replace_the_files_part():
+    base = {"decoder": "refusion", "selector": {"name": "threshold", "slot_threshold": 0.9}}
+    assert apply_overrides(base, ["selector=left_to_right"])["selector"] == "left_to_right"  # the file's options go
+    kept = apply_overrides(base, ["selector.slot_threshold=0.3", "selector=left_to_right"])
+    assert kept["selector"] == {"name": "left_to_right", "slot_threshold": 0.3}  # refused by validation, by name
+    with pytest.raises(ConfigError, match="selector.slot_threshold: unknown field"):
+        validate_config(kept)
+    assert apply_overrides({}, ["selector.slot_threshold=0.5", "selector={name: threshold, slot_threshold: 0.7}"]
+                           )["selector"] == {"name": "threshold", "slot_threshold": 0.7}  # the later value wins
+    with pytest.raises(ConfigError, match=r"--set 'gen_length=5' conflicts with --set 'gen_length.x=1'"):
+        apply_overrides({}, ["gen_length.x=1", "gen_length=5"])

@@ -166,6 +166,10 @@ def test_refusion_eval_runs_the_harness_end_to_end(models, tmp_path, capsys):
     assert 0.0 <= res["results"]["tinybench_facts"]["acc,none"] <= 1.0
     assert len(res["samples"]["tinybench_arith"]) == 2 and res["refusion"]["stats"]["requests"] == 4
     assert res["refusion"]["decoder_config"]["decoder"] == "refusion"
+    manifest = res["refusion"]["manifest"]  # what produced the file: validated config, weights, threads
+    assert manifest["command"] == "eval" and manifest["torch_threads"] == 1
+    entry = manifest["runs"]["eval"]["tinybench_arith"]
+    assert entry["config"]["slot_size"] == 4 and len(entry["weights_sha256"]) == 64
 
 
 REFERENCE = {  # task config: (slot size, serial blocks, slot threshold, token threshold), refusion-algorithm.md

@@ -233,7 +233,7 @@ def test_batch_size_one_keeps_the_records_and_tables_unchanged(tmp_path, bench_c
     monkeypatch.setattr(interfaces.Decoder, "generate_batch", lambda self, ps: pytest.fail("batch size 1 batches"))
     rows = run_bench(tasks=["facts"], decoders=["ar"], limit=2, out=tmp_path / "o", config=str(bench_config))
     rec = json.loads((tmp_path / "o" / "samples.jsonl").read_text().splitlines()[0])
-    assert list(rec) == ["run", "task", "idx", "decoder", "model", "correct", "generated_tokens", "nfe", "wall_s",
+    assert list(rec) == ["run", "task", "idx", "decoder", "model", "config_key", "correct", "generated_tokens", "nfe", "wall_s",
                          "completion", "token_ids"]
     assert "batch_size" not in rows[0]
     assert markdown_table(rows).splitlines()[0] == "| task | run | n | acc % | tok/s | TPF | NFE | latency s | speed-up |"

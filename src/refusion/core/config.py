@@ -157,25 +157,65 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key=value`` overrides (dotted keys reach part options; values parsed as YAML scalars)."""
+    """Apply ``key=value`` overrides (dotted keys reach part options; values parsed as YAML scalars).
+
+    Every value given reaches validation, whatever the order: the last value given for a key wins, and
+    a value set on a key keeps what earlier overrides set below it. ``selector=threshold`` after
+    ``selector.slot_threshold=0.8`` (or before it) gives ``{name: threshold, slot_threshold: 0.8}``; a
+    mapping value keeps the earlier options it does not give itself. Options of the *config's* part are
+    dropped when an override names a part (that part starts from its defaults). A scalar that is not a
+    part name set on a key that earlier overrides gave options is refused, naming both keys.
+    """
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    given: list[tuple[list[str], Any, str]] = []  # (path, value, the override as written), in order
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value")
         value = yaml.safe_load(raw) if raw.strip() else ""
         path = key.strip().split(".")
-        node = out
-        for part in path[:-1]:
-            child = node.get(part)
-            if isinstance(child, str):
-                child = {"name": child}
-            elif not isinstance(child, dict):
-                child = {}
-            node[part] = child
-            node = child
-        node[path[-1]] = value
+        below = [(p, v, it) for p, v, it in given if len(p) > len(path) and p[:len(path)] == path]
+        if below and not isinstance(value, (str, dict)):
+            raise ConfigError(f"--set {item!r} conflicts with --set {below[0][2]!r}: {key.strip()} is set to a "
+                              f"{type(value).__name__}, which has no options; give only one of them")
+        given.append((path, value, item))
+        _apply(out, given, len(given) - 1)
     return out
+
+
+def _apply(out: dict[str, Any], given: list[tuple[list[str], Any, str]], i: int) -> None:
+    """Set override ``given[i]``, then again the earlier ones below its key that its value does not give
+    itself (each with the same rule), in their order."""
+    path, value, _ = given[i]
+    _set_path(out, path, value)
+    for j, (p, _, _) in enumerate(given[:i]):
+        if len(p) > len(path) and p[:len(path)] == path and not _has_path(value, p[len(path):]):
+            _apply(out, given, j)
+
+
+def _set_path(root: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``root[path[0]]...[path[-1]] = value``; a string on the way becomes ``{"name": string}`` (a part
+    named by a bare string), anything else that is not a mapping an empty mapping."""
+    node = root
+    for part in path[:-1]:
+        child = node.get(part)
+        if isinstance(child, str):
+            child = {"name": child}
+        elif isinstance(child, dict):
+            child = dict(child)
+        else:
+            child = {}
+        node[part] = child
+        node = child
+    node[path[-1]] = dict(value) if isinstance(value, dict) else value
+
+
+def _has_path(value: Any, path: list[str]) -> bool:
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
 
 
 def decoder_config(decoder: str, config_file: str | None, overrides: list[str]) -> dict[str, Any]:

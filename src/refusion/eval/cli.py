@@ -63,6 +63,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-iters", type=int, default=1000)
     p.add_argument("--output", help="write results + decode statistics as JSON here")
     p.add_argument("--log-samples", action="store_true", help="with --output: include every sample")
+    from refusion.core.threads import add_threads_arg
+
+    add_threads_arg(p)
 
 
 def _decoder_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +85,10 @@ def _task_manager(tasks: list[str], include: list[str]):
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from refusion.core.threads import set_threads
     from refusion.eval.tasks import TAG, task_names, write_lm_eval_tasks
+
+    set_threads(getattr(args, "threads", None))
     from refusion.eval.tasks.paper import TASKS_DIR
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -143,9 +149,28 @@ def _report(args: argparse.Namespace, lm: Any, results: dict, records: list[dict
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         payload = {**results, "refusion": {"model": args.model, "decoder_config": lm.config, "world_size": lm.world_size,
-                                           "gen_length_from": args.gen_length_from, "stats": stats, "records": records}}
+                                           "gen_length_from": args.gen_length_from, "stats": stats, "records": records,
+                                           "manifest": _manifest(args, lm)}}
         out.write_text(json.dumps(payload, indent=1, default=handle_non_serializable, ensure_ascii=False))
         print(f"wrote {out}")
+
+
+def _manifest(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
+    """What produced an ``--output`` file (:mod:`refusion.experiments.manifest`): the validated decoder config,
+    the model folder and its weights hash, the harness settings, machine, packages, threads, command line."""
+    from refusion.experiments.manifest import build_manifest, validated_config, weights_sha256
+
+    try:
+        model = {"model": args.model, "weights_sha256": weights_sha256(args.model)}
+    except (OSError, ValueError) as e:  # a folder the adapter loaded some other way
+        model = {"model": args.model, "weights_sha256": f"unknown ({e})"}
+    try:
+        config = validated_config(lm.config)
+    except ValueError:
+        config = lm.config
+    settings = {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")}
+    return build_manifest("eval", {"eval": {t: {**model, "config": config} for t in args.tasks.split(",") if t}},
+                          json.loads(json.dumps(settings, default=str)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

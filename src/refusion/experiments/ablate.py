@@ -44,9 +44,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from refusion.core.config import ConfigError
-from refusion.experiments.bench import load_bench_config
+from refusion.core.threads import add_threads_arg, set_threads
+from refusion.experiments.bench import add_resume_args, load_bench_config
 from refusion.experiments.runner import (
-    Run, check_batch_size, evaluate, markdown_table, print_table, set_threads, summarize, write_json,
+    Run, check_batch_size, evaluate, markdown_table, print_table, summarize, write_json,
 )
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
@@ -206,19 +207,28 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
 
 
 def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,
-                 runtime: RuntimeOptions | None = None, batch_size: int | None = None) -> list[dict[str, Any]]:
+                 runtime: RuntimeOptions | None = None, batch_size: int | None = None,
+                 rerun_changed: bool = False) -> list[dict[str, Any]]:
     """Run one ablation; models load with the bench config's ``runtime:``, overridden by the ablation's,
-    overridden by ``runtime`` (the flags); ``batch_size`` (the flag) overrides the file's."""
+    overridden by ``runtime`` (the flags); ``batch_size`` (the flag) overrides the file's. ``resume``
+    continues only a folder the same configs started; ``rerun_changed`` decodes the changed runs anew
+    (:func:`runner.evaluate`)."""
+    import torch
+
     cfg = load_ablation(config)
     runs = build_runs(cfg, batch_size)
     limit = limit or cfg.limit
     options = load_bench_config(cfg.bench_config).runtime.override(cfg.runtime).override(runtime)
-    records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, runtime=options, desc=cfg.name)
+    inputs = {"ablation": cfg.model_dump(mode="json"), "limit": limit}
+    records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, runtime=options, desc=cfg.name,
+                       rerun_changed=rerun_changed, command="ablate", inputs=inputs)
     rows = summarize(records, runs, baseline=cfg.baseline)
     write_json(out / "results.json", rows)
     extra = list(cfg.grid.axes) if cfg.grid else []
     figures = [plot(rows, spec, out, f"{cfg.name}_{i}")[0].name for i, spec in enumerate(cfg.plots)]
     batch = f", batch size {runs[0].batch_size} (tokens/s: aggregate)" if runs and runs[0].batch_size > 1 else ""
+    threads = torch.get_num_threads()
+    batch += f", {threads} torch thread{'s' * (threads != 1)}"
     summary = [f"# {cfg.title or cfg.name}\n", f"{cfg.split} split, {limit or 'all'} samples per task{batch}; "
                f"speed-up over `{cfg.baseline}`.\n" if cfg.baseline else
                f"{cfg.split} split, {limit or 'all'} samples per task{batch}.\n",
@@ -232,13 +242,12 @@ def add_ablate_command(sub) -> None:
     p.add_argument("config", help="ablation YAML, or the file name of a shipped one (experiments/configs/)")
     p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
     p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
-    p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
+    add_resume_args(p)
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
                         "(default: the file's batch_size, else the bench config's, else 1)")
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core; 1 beside another busy process)")
+    add_threads_arg(p)
     p.set_defaults(func=cmd_ablate)
 
 
@@ -246,7 +255,7 @@ def cmd_ablate(a) -> int:
     set_threads(a.threads)
     cfg = load_ablation(a.config)
     out = Path(a.out or f"runs/ablate/{cfg.name}")
-    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a), a.batch_size)
+    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a), a.batch_size, a.rerun_changed)
     print_table(rows, title=cfg.title or cfg.name, extra=list(cfg.grid.axes) if cfg.grid else [])
-    print(f"wrote {out / 'results.json'}, {out / 'summary.md'} and plots in {out}")
+    print(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'manifest.json'} and plots in {out}")
     return 0

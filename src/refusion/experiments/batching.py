@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from refusion.core.config import ConfigError
-from refusion.experiments.bench import bench_runs, load_bench_config, with_models
+from refusion.core.threads import add_threads_arg, set_threads
+from refusion.experiments.bench import DEFAULT_CONFIG, add_resume_args, bench_runs, load_bench_config, with_models
 from refusion.experiments.runner import (
-    Run, check_batch_size, decode_share_s, evaluate, forward_share_s, set_threads, summarize, write_json,
+    Run, check_batch_size, decode_share_s, evaluate, forward_share_s, summarize, write_json,
 )
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
@@ -175,9 +176,11 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int], limit: int | None, out: Path,
                  split: str = "test", config: str | None = None, overrides: list[str] = (), resume: bool = False,
                  runtime: RuntimeOptions | None = None, models: list[str] = (),
-                 time_forwards: bool | None = None) -> list[dict[str, Any]]:
+                 time_forwards: bool | None = None, rerun_changed: bool = False) -> list[dict[str, Any]]:
     """Decode, summarise, write ``results.json``, ``results.md`` and the plot; return the rows.
-    ``time_forwards`` None: time the forwards when the models run on the CPU (no synchronisation added)."""
+    ``time_forwards`` None: time the forwards when the models run on the CPU (no synchronisation added).
+    ``resume`` continues only a folder the same configs started; ``rerun_changed`` decodes the changed
+    runs anew (:func:`runner.evaluate`)."""
     if not tasks:
         raise ConfigError("--tasks: give at least one task")
     sizes = parse_sizes(",".join(map(str, sizes)))
@@ -186,8 +189,10 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
     if time_forwards is None:
         time_forwards = options.device_map is None and (options.device or "cpu") == "cpu"
     runs = batching_runs(bench_runs(cfg, decoders or cfg.decoder_rows, tasks, overrides), sizes)
+    inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
+              "model": list(models), "limit": limit, "batch_sizes": sizes}
     records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=options, desc="batch-bench",
-                       time_forwards=time_forwards)
+                       time_forwards=time_forwards, rerun_changed=rerun_changed, inputs=inputs)
     rows = batching_rows(records, runs)
     write_json(out / "results.json", rows)
     (out / "results.md").write_text(markdown_table(rows))
@@ -210,26 +215,26 @@ def add_batching_command(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
-    p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
+    add_resume_args(p)
     p.add_argument("--time-forwards", action=argparse.BooleanOptionalAction, default=None,
                    help="time every model forward for the fwd %% column (default: on the CPU only; on a GPU it "
                         "adds two synchronisations per forward)")
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core; 1 beside another busy process)")
+    add_threads_arg(p)
     p.set_defaults(func=cmd_batching)
 
 
 def cmd_batching(a) -> int:
     if a.limit < 0:
         raise ConfigError(f"--limit: must be 0 (the whole split) or more, got {a.limit}")
-    set_threads(a.threads)
+    threads = set_threads(a.threads)
     sizes = parse_sizes(a.batch_sizes)
     out = Path(a.out)
     rows = run_batching([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
                         sizes, a.limit or None, out, a.split, a.config, a.set, a.resume, runtime_from_args(a),
-                        a.model, a.time_forwards)
+                        a.model, a.time_forwards, a.rerun_changed)
     print_table(rows, title=f"refusion batch-bench ({a.split} split, {a.limit or 'all'} per task, "
-                            f"batch sizes {', '.join(map(str, sizes))})")
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'throughput.png'}, {out / 'samples.jsonl'}")
+                            f"batch sizes {', '.join(map(str, sizes))}, {threads} torch thread{'s' * (threads != 1)})")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'throughput.png'}, {out / 'samples.jsonl'}, "
+          f"{out / 'manifest.json'}")
     return 0

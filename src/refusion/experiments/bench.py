@@ -24,9 +24,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from refusion.core.config import ConfigError, apply_overrides
-from refusion.experiments.runner import (
-    Run, check_batch_size, evaluate, print_table, set_threads, summarize, write_json,
-)
+from refusion.core.threads import add_threads_arg, set_threads
+from refusion.experiments.runner import Run, check_batch_size, evaluate, print_table, summarize, write_json
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "bench.yaml"
@@ -212,24 +211,27 @@ def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, o
               config: str | None = None, overrides: list[str] = (), resume: bool = False,
               runtime: RuntimeOptions | None = None, models: list[str] = (),
               batch_size: int | None = None, jobs: int = 1,
-              shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+              shard: tuple[int, int] | None = None, rerun_changed: bool = False) -> list[dict[str, Any]]:
     """Run the bench; models load with the config's ``runtime:`` overridden by ``runtime`` (the flags);
     ``batch_size`` (the flag) overrides the config's ``batch_size:``. ``jobs > 1`` decodes in that many
     one-thread worker processes (:mod:`refusion.experiments.sharding`); ``shard=(k, n)`` is one such
-    worker: it decodes its share into ``out`` and returns no rows."""
+    worker: it decodes its share into ``out`` and returns no rows. ``resume`` continues only a folder the
+    same configs started; ``rerun_changed`` decodes the changed runs anew (:func:`runner.evaluate`)."""
     check_batch_size(batch_size)
     if jobs < 1:
         raise ConfigError(f"--jobs: must be at least 1, got {jobs}")
     cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides,
                       batch_size if batch_size is not None else cfg.batch_size)
+    inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
+              "model": list(models), "limit": limit}
     if jobs > 1:
         worker_flags = _worker_flags(tasks, decoders, limit, split, config, overrides, runtime, models, batch_size)
         records = _run_workers(runs, tasks, split, limit, out, resume, cfg.runtime.override(runtime), jobs,
-                               worker_flags)
+                               worker_flags, rerun_changed, inputs)
     else:
         records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=cfg.runtime.override(runtime),
-                           desc="bench", shard=shard)
+                           desc="bench", shard=shard, rerun_changed=rerun_changed, inputs=inputs)
     if shard is not None:
         return []
     rows = summarize(records, runs, baseline="ar")
@@ -254,15 +256,20 @@ def _worker_flags(tasks: list[str], decoders: list[str] | None, limit: int | Non
 
 
 def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool,
-                 runtime: RuntimeOptions, jobs: int, worker_flags: list[str]) -> list[dict[str, Any]]:
-    """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``); the joined records."""
+                 runtime: RuntimeOptions, jobs: int, worker_flags: list[str], rerun_changed: bool = False,
+                 inputs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``); the joined records. This
+    process checks the folder's manifest and writes it (:func:`~refusion.experiments.manifest.prepare_output`)."""
+    from refusion.experiments.manifest import prepare_output, run_entries
     from refusion.experiments.runner import check_runs
     from refusion.experiments.sharding import join_records, run_shards, split_records
     from refusion.tasks import get_task
 
+    resume = resume or rerun_changed
     if ((out / "samples.jsonl").exists() or (out / "shards").exists()) and not resume:
         raise ConfigError(f"{out} holds a run's samples: pass --resume to continue that run, or choose another --out")
     check_runs(runs, tasks, runtime)  # a bad config fails here, not in every worker
+    prepare_output(out, "bench", run_entries(runs, tasks, split, runtime), resume, rerun_changed, inputs)
     sizes = {t: len(get_task(t).examples(split, limit)) for t in tasks}
     total = sum(sizes[t] if run.limit is None else min(run.limit, sizes[t]) for run in runs for t in tasks)
     split_records(out, jobs)
@@ -286,13 +293,12 @@ def add_bench_command(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
-    p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished samples")
+    add_resume_args(p)
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
                         "(default: the config's batch_size, else 1)")
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core; 1 beside another busy process)")
+    add_threads_arg(p)
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="decode in N one-thread worker processes, sample i in worker i mod N, the rows "
                         "interleaved per sample in each (2 on a 2-core CPU; default 1: this process)")
@@ -300,16 +306,26 @@ def add_bench_command(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def add_resume_args(p: argparse.ArgumentParser) -> None:
+    """``--resume`` and ``--rerun-changed``, as every command that decodes into a resumable folder has them."""
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out, skipping finished samples; refused when --out was started with "
+                        "other settings (its manifest.json says which)")
+    p.add_argument("--rerun-changed", action="store_true",
+                   help="resume, keeping the samples of the runs whose settings are unchanged and decoding the "
+                        "changed runs anew")
+
+
 def cmd_bench(a) -> int:
     from refusion.experiments.sharding import parse_shard
 
-    set_threads(a.threads)
+    threads = set_threads(a.threads)
     out = Path(a.out)
     shard = parse_shard(a.shard) if a.shard else None
     try:
         rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
                          a.limit or None, out, a.split, a.config, a.set, a.resume, runtime_from_args(a), a.model,
-                         a.batch_size, a.jobs, shard)
+                         a.batch_size, a.jobs, shard, a.rerun_changed)
     except RuntimeError as e:  # a failed worker: named with its log
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -320,10 +336,11 @@ def cmd_bench(a) -> int:
         r["speedup"] = r["speedup_vs_ar"]
     sizes = sorted({r.get("batch_size", 1) for r in rows})
     batch = f", batch size {', '.join(map(str, sizes))}" if sizes and sizes != [1] else ""
-    print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task{batch})")
+    workers = f"{a.jobs} one-thread workers" if a.jobs > 1 else f"{threads} torch thread{'s' * (threads != 1)}"
+    print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task{batch}, {workers})")
     lines = goal_lines(rows)
     if lines:
         print(f"against ar in this run (goal: >= {GOAL_SPEEDUP:g}x its tokens/s, within {GOAL_POINTS:g} points):")
         print("\n".join("  " + line for line in lines))
-    print(f"wrote {out / 'results.json'}, {out / 'bench.png'}, {out / 'samples.jsonl'}")
+    print(f"wrote {out / 'results.json'}, {out / 'bench.png'}, {out / 'samples.jsonl'}, {out / 'manifest.json'}")
     return 0

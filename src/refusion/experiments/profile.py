@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from refusion.core import host
 from refusion.core.config import ConfigError, build_decoder, validate_config
-from refusion.experiments.bench import bench_runs, load_bench_config
-from refusion.experiments.runner import set_threads
+from refusion.core.threads import add_threads_arg, set_threads
+from refusion.experiments.bench import DEFAULT_CONFIG, bench_runs, load_bench_config
 
 #: how far under each row's top logit a stand-in's new ids are put (``mask_new_ids``)
 NEW_ID_GAP = 40.0
@@ -202,7 +202,7 @@ def add_profile_command(sub) -> None:
     p.add_argument("--out", default="runs/profile", help="output folder (profile.json, profile.md)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per core)")
+    add_threads_arg(p)
     p.set_defaults(func=cmd_profile)
 
 
@@ -211,17 +211,26 @@ def cmd_profile(a) -> int:
         raise ConfigError(f"--limit: must be at least 1, got {a.limit}")
     if a.raw_vocab and not a.vocab:
         raise ConfigError("--raw-vocab needs --vocab")
-    set_threads(a.threads)
-    rows = profile([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
-                   a.limit, a.split, a.vocab, a.set, a.device, a.config, a.raw_vocab)
+    from refusion.experiments.manifest import build_manifest, run_entries, write_manifest
+    from refusion.models.loading import RuntimeOptions
+
+    threads = set_threads(a.threads)
+    tasks, decoders = [t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None
+    rows = profile(tasks, decoders, a.limit, a.split, a.vocab, a.set, a.device, a.config, a.raw_vocab)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(rows, indent=1))
     (out / "profile.md").write_text(markdown_table(rows))
+    cfg = load_bench_config(a.config)
+    runs = bench_runs(cfg, decoders or cfg.decoder_rows, tasks, a.set)
+    write_manifest(out, build_manifest("profile", run_entries(runs, tasks, a.split, RuntimeOptions(device=a.device)),
+                                       {"bench_config": str(Path(a.config).resolve() if a.config else DEFAULT_CONFIG),
+                                        "set": a.set, "limit": a.limit, "vocab": a.vocab, "raw_vocab": a.raw_vocab}))
     if a.json:
         print(json.dumps(rows, indent=1))
     else:
         vocab = f", vocabulary {a.vocab}{' (raw)' if a.raw_vocab else ''}" if a.vocab else ""
-        print_table(rows, title=f"refusion profile ({a.split} split, {a.limit} per task{vocab}, {a.device})")
-        print(f"wrote {out / 'profile.json'}, {out / 'profile.md'}")
+        print_table(rows, title=f"refusion profile ({a.split} split, {a.limit} per task{vocab}, {a.device}, "
+                                f"{threads} torch thread{'s' * (threads != 1)})")
+        print(f"wrote {out / 'profile.json'}, {out / 'profile.md'}, {out / 'manifest.json'}")
     return 0

@@ -63,5 +63,16 @@ class RecordWriter:
         self.close()
 
 
+def rewrite_records(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> None:
+    """Replace the JSONL file at ``path`` with ``records`` (written to a temporary file, then renamed over it)."""
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(p)
+
+
 def done_keys(records: Iterable[dict[str, Any]], fields: tuple[str, ...]) -> set[tuple]:
     return {tuple(r[f] for f in fields) for r in records}

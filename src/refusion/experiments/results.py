@@ -1,4 +1,7 @@
-"""``refusion results``: every shipped ablation in one run, and ``docs/results.md`` written from it.
+"""``refusion results``: every shipped ablation in one run, and a results page written from it.
+
+The page goes to ``OUT/results.md`` (``--doc PATH`` elsewhere); ``--write-docs`` rewrites the shipped
+``docs/results.md``, so that a trial run never overwrites it by default.
 
 Runs each ablation config of ``experiments/configs/`` (all but the validation-split tuning grid) with
 the same engine as ``refusion ablate`` into ``OUT/<name>/`` (resumable: ``--resume`` skips finished
@@ -578,11 +581,13 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
 
 
 def ablation_command(name: str, out: Path, limit: int | None, resume: bool,
-                     runtime: RuntimeOptions | None = None) -> list[str]:
-    """The ``refusion ablate`` command line that runs one ablation into ``out`` (with ``runtime``'s flags)."""
-    cmd = [sys.executable, "-m", "refusion.cli", "ablate", name + ".yaml", "--out", str(out),
+                     runtime: RuntimeOptions | None = None, rerun_changed: bool = False) -> list[str]:
+    """The ``refusion ablate`` command line that runs one ablation into ``out`` (with ``runtime``'s flags),
+    in one torch thread."""
+    cmd = [sys.executable, "-m", "refusion.cli", "ablate", name + ".yaml", "--out", str(out), "--threads", "1",
            *(runtime.as_flags() if runtime else [])]
-    return cmd + (["--limit", str(limit)] if limit else []) + (["--resume"] if resume else [])
+    return (cmd + (["--limit", str(limit)] if limit else []) + (["--resume"] if resume else [])
+            + (["--rerun-changed"] if rerun_changed else []))
 
 
 def decode_count(name: str, limit: int | None = None) -> int:
@@ -599,7 +604,7 @@ def decode_count(name: str, limit: int | None = None) -> int:
 
 
 def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, runtime: RuntimeOptions | None,
-                 jobs: int, timings: dict[str, float], timing_file: Path) -> None:
+                 jobs: int, timings: dict[str, float], timing_file: Path, rerun_changed: bool = False) -> None:
     """Run the ablations in ``jobs`` one-thread ``refusion ablate`` processes, longest first (``decode_count``),
     each logging to ``OUT/<name>/run.log``; record each one's wall time as it finishes."""
     from refusion.core.workers import Finished, Job, run_jobs
@@ -610,7 +615,8 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, r
         print(f"[results] {f.name}: {'done' if f.returncode == 0 else f'FAILED (exit {f.returncode})'} in "
               f"{f.wall_s / 60:.1f} min (log: {f.log})", flush=True)
 
-    work = [Job(n, ablation_command(n, out / n, limit, resume, runtime), out / n / "run.log")
+    work = [Job(n, ablation_command(n, out / n, limit, resume, runtime, rerun_changed=rerun_changed),
+                out / n / "run.log")
             for n in sorted(names, key=lambda n: -decode_count(n, limit))]
     failed = [f.name for f in run_jobs(work, jobs, record) if f.returncode]
     if failed:
@@ -619,13 +625,17 @@ def _run_workers(names: list[str], out: Path, limit: int | None, resume: bool, r
 
 def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | None = None, resume: bool = False,
             runtime: RuntimeOptions | None = None, command: str = "refusion results", jobs: int = 1,
-            run: bool = True) -> str:
+            run: bool = True, rerun_changed: bool = False) -> str:
     """Run the ablations ``names`` (default all; in this process, or in ``jobs`` worker processes) and write
     ``doc`` from every ablation with results in ``OUT`` and, for the others, the existing page's sections
     (so ``--only`` reruns some and keeps the rest); with ``run=False`` only rewrite ``doc`` from ``OUT`` (after
     a change to the verdict rules).
     Run times live in ``OUT/timings.json`` (per ablation) and ``OUT/wall.json`` (the whole command): a resumed
-    run adds to them, a fresh one replaces them."""
+    run adds to them, a fresh one replaces them. A run writes ``OUT/manifest.json`` (the command, machine,
+    packages, threads; each ablation's folder has its own with its runs' configs); ``resume`` and
+    ``rerun_changed`` act in each ablation's folder as in ``refusion ablate``."""
+    from refusion.experiments.manifest import build_manifest, write_manifest
+
     everything = [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
     names = names or everything
     timing_file = out / "timings.json"
@@ -640,14 +650,19 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
     documented, kept = _documented(out, doc, names, everything)  # a stale kept section fails before the run
     if not run:
         return write_document(out, doc, documented, command, jobs, kept)
+    resume = resume or rerun_changed
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, build_manifest("results", inputs={"ablations": names, "limit": limit, "jobs": jobs,
+                                                          "doc": str(doc), "runtime": (runtime.model_dump() if runtime
+                                                                                       else None)}))
     started = time.perf_counter()
     if jobs > 1:
-        _run_workers(names, out, limit, resume, runtime, jobs, timings, timing_file)
+        _run_workers(names, out, limit, resume, runtime, jobs, timings, timing_file, rerun_changed)
     else:
         for name in names:
             t0 = time.perf_counter()
-            run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, runtime=runtime)
+            run_ablation(name + ".yaml", out / name, resume=resume, limit=limit, runtime=runtime,
+                         rerun_changed=rerun_changed)
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its share
             timing_file.write_text(json.dumps(timings, indent=1))
     wall_file = out / WALL_FILE
@@ -664,23 +679,35 @@ def _documented(out: Path, doc: Path, names: list[str], everything: list[str]) -
     return [n for n in everything if n in with_results or n in kept], kept
 
 
+DOCS_PAGE = Path("docs/results.md")  # the shipped page, rewritten only with --write-docs
+
+
 def add_results_command(sub) -> None:
-    p = sub.add_parser("results", help="run every shipped ablation and write docs/results.md from it")
-    p.add_argument("--out", default="runs/results", help="output folder (one subfolder per ablation)")
-    p.add_argument("--doc", default="docs/results.md", help="the markdown page to write (figures beside it)")
+    from refusion.core.threads import add_threads_arg
+    from refusion.experiments.bench import add_resume_args
+
+    p = sub.add_parser("results", help="run every shipped ablation and write the results page from it "
+                                       "(OUT/results.md; --write-docs: docs/results.md)")
+    p.add_argument("--out", default="runs/results", help="output folder (one subfolder per ablation, "
+                                                          "manifest.json, and results.md unless --doc or --write-docs)")
+    p.add_argument("--doc", default=None, help="the markdown page to write, figures beside it (default OUT/results.md)")
+    p.add_argument("--write-docs", action="store_true",
+                   help=f"write the shipped page, {DOCS_PAGE}, instead of OUT/results.md (run from the repository root)")
     p.add_argument("--only", help="comma-separated ablation names (default: all of " + ", ".join(ORDER) + ")")
     p.add_argument("--limit", type=int, help="samples per task for every ablation (default: each file's limit)")
-    p.add_argument("--resume", action="store_true", help="continue in --out, skipping finished samples")
+    add_resume_args(p)
     p.add_argument("--jobs", type=int, default=1,
                    help="run the ablations in this many one-thread worker processes (2 on a 2-core machine)")
     p.add_argument("--doc-only", action="store_true",
-                   help="run nothing: rewrite --doc from the results already in --out (give the run's --limit/--jobs)")
+                   help="run nothing: rewrite the page from the results already in --out (give the run's --limit/--jobs)")
     add_runtime_args(p)
+    add_threads_arg(p)
     p.set_defaults(func=cmd_results)
 
 
 def cmd_results(a) -> int:
     from refusion.core.config import ConfigError
+    from refusion.core.threads import set_threads
 
     names = a.only.split(",") if a.only else None
     unknown = [n for n in names or [] if n not in ORDER]
@@ -688,15 +715,20 @@ def cmd_results(a) -> int:
         raise ConfigError(f"--only: unknown ablation(s) {unknown}; allowed: {', '.join(ORDER)}")
     if a.jobs < 1:
         raise ConfigError(f"--jobs: must be at least 1, got {a.jobs}")
-    command = ("refusion results" + (f" --limit {a.limit}" if a.limit else "") + (f" --only {a.only}" if a.only else "")
-               + (f" --jobs {a.jobs}" if a.jobs > 1 else ""))
+    if a.doc and a.write_docs:
+        raise ConfigError(f"--doc {a.doc} and --write-docs name two pages; give one of them")
+    set_threads(a.threads)
+    doc = DOCS_PAGE if a.write_docs else Path(a.doc) if a.doc else Path(a.out) / "results.md"
+    command = ("refusion results" + (" --write-docs" if a.write_docs else "") + (f" --limit {a.limit}" if a.limit else "")
+               + (f" --only {a.only}" if a.only else "") + (f" --jobs {a.jobs}" if a.jobs > 1 else ""))
     runtime = runtime_from_args(a)
     if not a.doc_only:
         runtime.resolve()  # an unavailable flag fails here, not in every worker
     try:
-        run_all(Path(a.out), Path(a.doc), names, a.limit, a.resume, runtime, command, a.jobs, run=not a.doc_only)
+        run_all(Path(a.out), doc, names, a.limit, a.resume, runtime, command, a.jobs, run=not a.doc_only,
+                rerun_changed=a.rerun_changed)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {a.doc} (figures in {Path(a.doc).parent / Path(a.doc).stem}/) from {a.out}")
+    print(f"wrote {doc} (figures in {doc.parent / doc.stem}/) from {a.out}")
     return 0

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from refusion.core.config import ConfigError, build_decoder, validate_config
+from refusion.core.threads import set_threads  # noqa: F401  (its old home; commands import it from core.threads)
 from refusion.experiments.records import RecordWriter, done_keys, load_records
 from refusion.models.loading import RuntimeOptions
 
@@ -143,19 +144,6 @@ def check_batch_size(value: int | None, field: str = "--batch-size") -> int | No
     return value
 
 
-def set_threads(threads: int | None) -> None:
-    """Decode with ``threads`` torch CPU threads (None: torch's default, one per core). Beside another busy
-    process use 1: a 2-thread decode sharing a core with a 1-thread training job spin-waits (arith AR
-    decodes: median 4.19 s against 0.15 s with one thread, 2-core CPU, docs/bench.md)."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise ConfigError(f"--threads: must be at least 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def check_runs(runs: list[Run], tasks: list[str], runtime: RuntimeOptions) -> None:
     """Fail before any model loads: an unavailable runtime option, duplicate run labels, a bad batch size,
     or a decoder config that does not validate on one of ``tasks``."""
@@ -172,7 +160,8 @@ def check_runs(runs: list[Run], tasks: list[str], runtime: RuntimeOptions) -> No
 def evaluate(
     runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool = False,
     runtime: RuntimeOptions | None = None, desc: str = "eval", on_record: Callable[[dict], None] | None = None,
-    time_forwards: bool = False, shard: tuple[int, int] | None = None,
+    time_forwards: bool = False, shard: tuple[int, int] | None = None, rerun_changed: bool = False,
+    command: str | None = None, inputs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Decode every sample of every task with every run; return all records (old and new). Every model
     loads with ``runtime`` (default: the CPU in float32), checked before any model loads. Each run decodes
@@ -180,26 +169,39 @@ def evaluate(
     (:attr:`~refusion.models.backend.Backbone.time_forwards`: two synchronisations per forward on a GPU)
     and each record adds ``forward_s`` (a batched one: ``batch_forward_s``, its chunk's). ``shard=(k, n)``
     decodes only the samples whose index ``i`` has ``i % n == k`` (one worker of
-    :mod:`refusion.experiments.sharding`)."""
+    :mod:`refusion.experiments.sharding`).
+
+    ``OUT/manifest.json`` records what produced the folder (:mod:`refusion.experiments.manifest`: every
+    run's validated config per task, its model's weights hash, the machine, ``command`` and ``inputs``)
+    and every record carries its (run, task)'s ``config_key``. ``resume`` continues only what the same
+    configs started: a folder whose manifest differs is refused, naming each difference, unless
+    ``rerun_changed`` (which implies ``resume``) drops the changed runs' records and decodes them anew. A
+    worker (``shard``) leaves the manifest to the process that started it."""
+    from refusion.experiments.manifest import prepare_output, run_entries
     from refusion.models.tokenizer import encode_prompt
     from refusion.models.backend import Backbone
     from refusion.tasks import get_task
 
     runtime = runtime or RuntimeOptions()
     check_runs(runs, tasks, runtime)
+    entries = run_entries(runs, tasks, split, runtime)
     task_objs = [get_task(t) for t in tasks]
     out.mkdir(parents=True, exist_ok=True)
     samples_path = out / "samples.jsonl"
+    resume = resume or rerun_changed
     if samples_path.exists() and not resume:
         raise ConfigError(f"{samples_path} exists: pass --resume to continue that run, or choose another --out")
     records = load_records(samples_path)
-    done = done_keys(records, KEY)
     size_of = {r.label: r.batch_size for r in runs}
-    for r in records:  # a resumed run keeps its batch size: its rows would mix two otherwise
+    for r in records if not rerun_changed else ():  # a resumed run keeps its batch size: its rows would mix two
         if r["run"] in size_of and r["task"] in tasks and r.get("batch_size", 1) != size_of[r["run"]]:
             raise ConfigError(f"batch_size: {samples_path} holds run {r['run']!r} on {r['task']!r} decoded at batch "
-                              f"size {r.get('batch_size', 1)}, not {size_of[r['run']]}; resume with that batch size "
-                              "or choose another --out")
+                              f"size {r.get('batch_size', 1)}, not {size_of[r['run']]}; resume with that batch size, "
+                              "choose another --out, or pass --rerun-changed to decode those runs anew")
+    if shard is None:
+        if prepare_output(out, command or desc, entries, resume, rerun_changed, inputs):
+            records = load_records(samples_path)
+    done = done_keys(records, KEY)
 
     backbones: dict[str, Backbone] = {}
     decoders = {}
@@ -261,6 +263,7 @@ def evaluate(
                 for i, res in zip(idx, results):
                     ex = examples[task.name][i]
                     rec = {"run": run.label, "task": task.name, "idx": i, "decoder": run.decoder, "model": run.model,
+                           "config_key": entries[run.label][task.name]["config_key"],
                            "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
                            "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, **chunk, "completion": res.text,
                            "token_ids": res.token_ids}

@@ -311,13 +311,15 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per core)")
+    from refusion.core.threads import add_threads_arg
+
+    add_threads_arg(p)
     p.set_defaults(func=cmd_trace)
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
     """Run ``refusion trace``: write the page and the SVG, print one line per lane."""
-    from refusion.experiments.runner import set_threads
+    from refusion.core.threads import set_threads
     from refusion.tasks import get_task
 
     set_threads(a.threads)

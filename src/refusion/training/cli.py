@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+TRAIN_THREADS = 2  # torch threads of `refusion train` without --threads (the shipped recipe's)
+
 
 def parse_sets(items: list[str] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -72,7 +74,9 @@ def add_train_command(subparsers: Any) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    from refusion.core.threads import add_threads_arg
+
+    add_threads_arg(p, default=TRAIN_THREADS)
     p.add_argument("--device", default="cpu", help="train on this torch device: cpu (default), cuda, cuda:N")
     p.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager"],
                    help="attention of the --init / scratch model: sdpa (default) or eager (training keeps float32 "
@@ -119,7 +123,34 @@ def scratch_tokenizer(data: str) -> Any:
     return tk.train_tokenizer(tokenizer_training_texts(data))
 
 
+def write_train_manifest(args: argparse.Namespace, threads: int) -> None:
+    """``OUT/manifest.json`` for a training run: the command's settings (every flag), the ``--init`` model's
+    weights hash, machine, packages, threads. A resumed run whose settings differ says which on stderr
+    (``--steps`` may grow on a resume) and the manifest takes the new ones."""
+    from pathlib import Path
+
+    from refusion.experiments.manifest import build_manifest, read_manifest, weights_sha256, write_manifest
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "_parser") and not k.startswith("_")}
+    settings["threads"] = threads
+    if args.init != "scratch":
+        settings["init_weights_sha256"] = weights_sha256(args.init)
+    out = Path(args.out)
+    old = read_manifest(out)
+    if args.resume and old is not None:
+        before = old.get("inputs", {})
+        changed = [f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(before) | set(settings))
+                   if k not in ("resume", "no_progress") and before.get(k) != settings.get(k)]
+        if changed:
+            print(f"note: resuming {out} with other settings than it started with: {'; '.join(changed)}",
+                  file=sys.stderr)
+    write_manifest(out, build_manifest("train", inputs=json.loads(json.dumps(settings, default=str))))
+
+
 def run_train(args: argparse.Namespace) -> int:
+    from refusion.core.threads import resolve_threads
+
+    args.threads = resolve_threads(args.threads, TRAIN_THREADS)
     if args.recipe and args.attn_implementation:
         _error(args, "--attn-implementation applies to --objective training; the recipe trains with sdpa")
     if args.recipe:
@@ -134,6 +165,7 @@ def run_train(args: argparse.Namespace) -> int:
         for key in ("refine_rounds", "long_slots_from", "mix_from"):  # checked by run_recipe
             if getattr(args, key) is not None:
                 kw[key] = getattr(args, key)
+        write_train_manifest(args, args.threads)
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
                    refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
                    progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)
@@ -197,6 +229,7 @@ def run_train(args: argparse.Namespace) -> int:
         threads=args.threads, progress=not args.no_progress, group_by_length=args.group_by_length,
         device=args.device,
     )
+    write_train_manifest(args, args.threads)
     trainer = Trainer(model, tokenizer, objective, train_pairs, config, args.out, val_pairs=val_pairs)
     summary = trainer.train(resume=args.resume)
     print(json.dumps({k: summary[k] for k in ("objective", "steps", "train", "eval", "wall_s")}, default=str))
