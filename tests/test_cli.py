@@ -23,6 +23,20 @@ def test_generate_json(model_dir, capsys):
     assert out["stats"]["generated_tokens"] == len(out["token_ids"]) <= 16
 
 
+def test_generate_stream_prints_the_commits_then_the_result(model_dir, capsys):
+    args = ["generate", "--model", model_dir, "--decoder", "refusion", "--prompt", "12+3=", "--json",
+            "--set", "gen_length=16", "--set", "slot_size=4", "--set", "selector.slot_threshold=0.0"]
+    assert main(args + ["--stream"]) == 0
+    *commits, last = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(args) == 0
+    assert last == {**json.loads(capsys.readouterr().out), "stats": last["stats"]}  # the same decode
+    assert [t for c in commits for t in c["token_ids"]] == last["token_ids"]
+    assert [p for c in commits for p in c["positions"]] == list(range(commits[0]["positions"][0], len(last["token_ids"]) + commits[0]["positions"][0]))
+    assert "".join(c["text"] for c in commits) == last["text"]
+    assert main([a for a in args if a != "--json"] + ["--stream"]) == 0  # text mode: the completion, then the table
+    assert capsys.readouterr().out.startswith(last["text"])
+
+
 def test_generate_table_and_config_file(model_dir, tmp_path, capsys):
     cfg = tmp_path / "ar.toml"
     cfg.write_text('decoder = "ar"\ngen_length = 8\n')

@@ -38,7 +38,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, **runtime_from_args(args).model_dump(), trust_remote_code=args.trust_remote_code
     )
     decoder = build_decoder(backbone, cfg)
-    result = decoder.generate(encode_prompt(backbone.tokenizer, args.prompt, chat=not args.no_chat_template))
+    prompt_ids = encode_prompt(backbone.tokenizer, args.prompt, chat=not args.no_chat_template)
+    streamed = StreamedText(backbone.tokenizer, json_lines=args.json) if args.stream else None
+    result = decoder.generate(prompt_ids, on_commit=streamed)
     if args.json:
         print(json.dumps(result.as_dict(with_trace=args.trace)))
         return 0
@@ -46,9 +48,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console(markup=False)  # model text, labels and paths print as they are
-    if result.text:
+    if streamed is not None:
+        streamed.close()
+    elif result.text:
         console.print(result.text, highlight=False)
-    else:
+    if not result.text:
         console.print("(empty completion: the model ended at once)", style="dim")
     table = Table(title=f"{cfg['decoder']} on {args.model}")
     table.add_column("stat")
@@ -57,6 +61,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
     return 0
+
+
+class StreamedText:
+    """Prints a decode's text as it becomes final (``generate --stream``): each commit extends the text,
+    which is written as far as it decodes to whole characters. With ``json_lines``, one JSON object per
+    commit (positions, token ids, the new text) instead."""
+
+    def __init__(self, tokenizer, json_lines: bool = False) -> None:
+        self.tokenizer, self.json_lines = tokenizer, json_lines
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def __call__(self, commit) -> None:
+        self.ids += commit.token_ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        new = text[len(self.shown):] if not text.endswith("\ufffd") else ""  # hold back a partial character
+        if self.json_lines:
+            print(json.dumps({"positions": commit.positions, "token_ids": commit.token_ids, "text": new}), flush=True)
+        else:
+            sys.stdout.write(new)
+            sys.stdout.flush()
+        self.shown += new
+
+    def close(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        sys.stdout.write(text[len(self.shown):] + ("\n" if text else ""))
+        sys.stdout.flush()
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -91,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("--trace", action="store_true", help="with --json: include the per-iteration trace")
+    g.add_argument("--stream", action="store_true",
+                   help="print the text as it becomes final (with --json: one JSON line per commit, then the result)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
     _add_model_args(g)
     from refusion.core.threads import add_threads_arg

@@ -181,7 +181,9 @@ def run_loops(
     view of it). Every loop runs until it waits on the device; then all waiting reads are served by ONE
     :func:`to_host`, or, when every loop waits on a forward, the forwards by ONE model call per request
     group (:meth:`BatchCache.forward`). A finished loop's rows leave the cache. Before each model call
-    ``admit()`` (if given) may return new loops (made on views of ``cache``), which join the batch.
+    ``admit()`` (if given) may return new loops (made on views of ``cache``), which join the batch; it
+    may block (a server waiting for requests), and the run ends when it returns none while no loop is
+    left.
 
     Returns the outputs in the order the loops joined (``loops`` first, then each admitted one); each gets
     the forwards its sequence took part in (``nfe``), the tokens fed in its rows (``tokens_in``, padding
