@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from refusion.core.loop import Commit, KVCache
+from refusion.core.loop import Commit, KVCache, exhaust
 from refusion.core.types import DecodeResult, DecodeStats, LoopOutput, Proposal, Verdict
 
 if TYPE_CHECKING:
@@ -197,14 +197,7 @@ class Decoder(ABC):
     def generate(self, prompt_ids: list[int], on_commit: Callable[[Commit], None] | None = None) -> DecodeResult:
         """Decode a completion of ``prompt_ids``; stats count only this call's forwards. ``on_commit``
         receives each :class:`~refusion.core.loop.Commit` (output that has become final) as it happens."""
-        steps = self.stream(prompt_ids)
-        while True:
-            try:
-                commit = next(steps)
-            except StopIteration as stop:
-                return stop.value
-            if on_commit is not None:
-                on_commit(commit)
+        return exhaust(self.stream(prompt_ids), on_commit)
 
     def stream(self, prompt_ids: list[int]) -> Generator[Commit, None, DecodeResult]:
         """Decode a completion of ``prompt_ids``, yielding its commits (concatenated: the output, left to

@@ -28,13 +28,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from torch import Tensor
 
 from refusion.core.host import to_host
 from refusion.core.types import LoopOutput
 
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------------- attention
 @dataclass(frozen=True)
@@ -161,9 +162,8 @@ def drive(loop: LoopSteps) -> Generator[Commit, None, LoopOutput]:
             reply = step.cache.forward(step)
 
 
-def run_loop(loop: LoopSteps, on_commit: Callable[[Commit], None] | None = None) -> LoopOutput:
-    """Run one sequence's loop to its end (:func:`drive`), handing each commit to ``on_commit``."""
-    steps = drive(loop)
+def exhaust(steps: Generator[Commit, None, T], on_commit: Callable[[Commit], None] | None = None) -> T:
+    """Run a generator of commits to its end, handing each commit to ``on_commit``; -> its return value."""
     while True:
         try:
             commit = next(steps)
@@ -171,6 +171,11 @@ def run_loop(loop: LoopSteps, on_commit: Callable[[Commit], None] | None = None)
             return stop.value
         if on_commit is not None:
             on_commit(commit)
+
+
+def run_loop(loop: LoopSteps, on_commit: Callable[[Commit], None] | None = None) -> LoopOutput:
+    """Run one sequence's loop to its end (:func:`drive`), handing each commit to ``on_commit``."""
+    return exhaust(drive(loop), on_commit)
 
 
 def run_loops(

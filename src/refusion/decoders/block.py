@@ -53,14 +53,13 @@ import struct
 
 import torch
 from pydantic import Field, model_validator
-from torch import Tensor
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions, TokenSelector
 from refusion.core.loop import Attention, ForwardRequest, LoopSteps, Read
-from refusion.core.types import IterationTrace, LoopOutput
+from refusion.core.types import IterationTrace
 from refusion.decoders.common import FinalPrefix, LoopDecoder, cut_after_eos
 from refusion.decoders.llada import choose, decided
 
@@ -179,10 +178,7 @@ class BlockDecoder(LoopDecoder):
                 yield commit
             if decided(tokens[P:], mask_id, bb.eos_ids):
                 break  # the output is decided: tokens after the first EOS are dropped
-        out = cut_after_eos(tokens[P:], bb.eos_ids)[: o.gen_length]
-        if commit := final.finish(out):
-            yield commit
-        return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))))
+        return (yield from final.end(prompt_ids, cut_after_eos(tokens[P:], bb.eos_ids)[: o.gen_length], trace))
 
 
 @hookimpl

@@ -9,7 +9,7 @@ from collections.abc import Callable, Generator
 import torch
 
 from refusion.core.interfaces import Decoder
-from refusion.core.loop import Commit, LoopSteps, drive, run_loops
+from refusion.core.loop import Commit, LoopSteps, drive, exhaust, run_loops
 from refusion.core.types import LoopOutput
 from refusion.models.kvcache import RaggedCache
 
@@ -61,6 +61,13 @@ class FinalPrefix:
         self.closed = True
         return Commit(list(range(start, start + len(rest))), rest) if rest else None
 
+    def end(self, prompt_ids: list[int], output: list[int], trace: list) -> Generator[Commit, None, LoopOutput]:
+        """Commit the rest of ``output`` (:meth:`finish`) and return the loop's output, whose buffer is the
+        prompt followed by ``output`` in position order."""
+        if commit := self.finish(output):
+            yield commit
+        return LoopOutput(output, trace, list(prompt_ids) + output, list(range(len(prompt_ids) + len(output))))
+
 
 class LoopDecoder(Decoder):
     """A decoder written as one generator loop over the loop protocol (:mod:`refusion.core.loop`).
@@ -78,12 +85,7 @@ class LoopDecoder(Decoder):
         requests, reads and commits; returns its :class:`~refusion.core.types.LoopOutput`."""
 
     def _decode(self, prompt_ids, generator):
-        steps = self._decode_steps(prompt_ids, generator)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        return exhaust(self._decode_steps(prompt_ids, generator))
 
     def _decode_steps(self, prompt_ids, generator) -> Generator[Commit, None, LoopOutput]:
         return (yield from drive(self._loop(prompt_ids, generator, self.backbone.new_cache())))

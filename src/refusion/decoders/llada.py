@@ -66,7 +66,7 @@ from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions, Selector, TokenSelector
 from refusion.core.loop import FULL, ForwardRequest, LoopSteps, Read
-from refusion.core.types import IterationTrace, LoopOutput
+from refusion.core.types import IterationTrace
 from refusion.decoders.common import FinalPrefix, LoopDecoder, cut_after_eos
 
 
@@ -204,9 +204,7 @@ class LladaDecoder(LoopDecoder):
             if done:
                 break
         out = cut_after_eos(tokens[P:], bb.eos_ids)  # early stop leaves [MASK] only after the EOS
-        if commit := final.finish(out):
-            yield commit
-        return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))))
+        return (yield from final.end(prompt_ids, out, trace))
 
 
 @hookimpl

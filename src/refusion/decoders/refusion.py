@@ -56,7 +56,7 @@ from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions
 from refusion.core.loop import ForwardRequest, LoopSteps, Read
 from refusion.core.probs import next_token_probs, row_argmax, row_logsumexp
-from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Proposal, Slot
+from refusion.core.types import DecodeState, IterationTrace, LoopOutput, Slot
 from refusion.decoders.common import FinalPrefix, LoopDecoder, cut_after_eos
 from refusion.models.backend import ALL_ROWS
 
