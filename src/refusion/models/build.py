@@ -113,17 +113,11 @@ def make_config(
     return config
 
 
-def build_model(
-    tokenizer: PreTrainedTokenizerBase,
-    size: str = "tiny",
-    attention: str = "causal",
-    block_size: int | None = None,
-    max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
-    seed: int | None = 0,
-    **overrides: Any,
-) -> Qwen3ForCausalLM:
-    """A freshly initialised fp32 Qwen3ForCausalLM of preset ``size`` (seeded when ``seed`` is given)."""
-    config = make_config(tokenizer, size, attention, block_size, max_position_embeddings, **overrides)
+def build_model(tokenizer: PreTrainedTokenizerBase, size: str = "tiny", seed: int | None = 0,
+                **config_options: Any) -> Qwen3ForCausalLM:
+    """A freshly initialised fp32 Qwen3ForCausalLM of preset ``size`` (seeded when ``seed`` is given);
+    ``config_options`` are :func:`make_config`'s (attention, block_size, max_position_embeddings, overrides)."""
+    config = make_config(tokenizer, size, **config_options)
     if seed is not None:
         torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
