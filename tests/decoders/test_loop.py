@@ -136,3 +136,29 @@ def test_a_sampled_batch_draws_what_each_sequence_draws_alone(backbones, name, s
     assert [r.token_ids for r in dec.generate_batch(prompts)] == alone
     greedy = decoder(backbones, name, {k: v for k, v in setting.items() if k in ("slot_size", "block_length")})
     assert alone != [greedy.generate(p).token_ids for p in prompts]  # sampling acts: the check can fail
+
+
+def test_the_decoder_written_in_plugins_md_runs_alone_streamed_and_batched(backbones, tmp_path):
+    """docs/plugins.md's "Writing a decoder" example, registered as a plugin: its batch decodes each
+    prompt as alone (sampling included: each sequence has its own generator) and its stream is its output."""
+    import re
+    import types
+    from pathlib import Path
+
+    from refusion.core.registry import build_registry, make_plugin_manager, set_registry
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    section = page.split("## Writing a decoder", 1)[1]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("sampled_decoder_example")
+    exec(compile(source, "plugins.md", "exec"), module.__dict__)
+    set_registry(build_registry(make_plugin_manager([module], autoload=False)))
+    dec = build_decoder(backbones["causal"], {"decoder": "sampled", "gen_length": 12, "temperature": 2.0, "seed": 3})
+    prompts = prompts_of([2, 6, 4], seed=5)
+    alone = [dec.generate(p) for p in prompts]
+    commits: dict[int, list[Commit]] = {i: [] for i in range(len(prompts))}
+    batch = dec.generate_batch(prompts, on_commit=lambda i, c: commits[i].append(c))
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    for i, (prompt, result) in enumerate(zip(prompts, batch)):
+        assert_commits_are_the_output(commits[i], len(prompt), result.token_ids)
+    assert batch[0].stats.batch_nfe < sum(r.stats.nfe for r in alone)  # the batch shared its forwards
