@@ -305,7 +305,7 @@ class RaggedCache:
             self.keys, self.values = keys, values
             for i, r in enumerate(rows):
                 self.phys[r] = i
-        else:
+        elif any(req.keep_kv for req in requests):  # else the new KV lies past every row's length: scratch
             for i in range(self.n_layers):
                 self.keys[i].index_copy_(0, index, keys[i])
                 self.values[i].index_copy_(0, index, values[i])
@@ -334,12 +334,21 @@ class RaggedCache:
         cols = torch.arange(width, device=dev)
         if all(req.attention.kind == "causal" for req in requests):  # key j visible to t iff j <= offset + t
             return cols[None, None, :] <= offsets[:, None, None] + torch.arange(T, device=dev)[None, :, None]
-        segments = []
+        t = torch.arange(T, device=dev)
+        per_row = [(req.ids.shape[-1], req.attention.kind == "full") for req in requests for _ in req.cache.rows]
+        fed, full = from_host([[n, f] for n, f in per_row], dev, torch.long).unbind(1)  # [R'] each
+        seg_q = torch.where(t < fed[:, None], torch.where(full[:, None].bool(), 0, t), _UNSEEN + t)  # [R', T]
+        explicit_rows, explicit = [], []  # rows with explicit segments (block-causal): one host copy for all
+        row = 0
         for req in requests:
-            n = req.ids.shape[-1]
-            seg = req.attention.segment_ids(n) + [_UNSEEN + t for t in range(n, T)]
-            segments += [seg] * len(req.cache.rows)
-        seg_q = from_host(segments, dev, torch.long)  # [R', T]
+            for _ in req.cache.rows:
+                if req.attention.kind == "segments":
+                    n = req.ids.shape[-1]
+                    explicit_rows.append(row)
+                    explicit.append(req.attention.segment_ids(n) + [_UNSEEN + j for j in range(n, T)])
+                row += 1
+        if explicit:
+            seg_q[from_host(explicit_rows, dev, torch.long)] = from_host(explicit, dev, torch.long)
         rel = cols[None, :] - offsets[:, None]  # [R', width]: the new token at each column, < 0 = cached
         seg_k = seg_q.gather(1, rel.clamp(0, T - 1))
         seg_k = torch.where(rel < 0, -1, torch.where(rel < T, seg_k, 2 * _UNSEEN))  # [R', width]
