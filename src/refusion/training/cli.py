@@ -165,10 +165,10 @@ def run_train(args: argparse.Namespace) -> int:
         for key in ("refine_rounds", "long_slots_from", "mix_from"):  # checked by run_recipe
             if getattr(args, key) is not None:
                 kw[key] = getattr(args, key)
-        write_train_manifest(args, args.threads)
         run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
                    refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
-                   progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device, **kw)
+                   progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device,
+                   on_start=lambda: write_train_manifest(args, args.threads), **kw)
         return 0
     if not args.objective:
         _error(args, "--objective is required (or use --recipe tiny)")

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -160,8 +160,10 @@ def run_recipe(
     refine_rounds: int = DEFAULT_REFINE_ROUNDS,
     long_slots_from: int = LONG_SLOTS_FROM_ROUND,
     mix_from: int = MIX_FROM_ROUND,
+    on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
+    ``on_start`` is called once the settings are checked, before anything is written.
 
     ``jobs > 1`` runs the fine-tunes still to do in that many worker processes of one torch thread each
     (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same.
@@ -195,6 +197,8 @@ def run_recipe(
     if refine_rounds < 1:
         raise ValueError(f"refine_rounds must be >= 1, got {refine_rounds} (use refine_steps=0 for no refining)")
     _check_from_rounds(long_slots_from, mix_from)
+    if on_start is not None:
+        on_start()
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
