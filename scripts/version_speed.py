@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     workers = {"old": Worker(a.old), "new": Worker(a.new)}
     rows = []
     print(f"{'decoder':10} {'task':6} {'batch':>5} {'old tok/s':>10} {'new tok/s':>10} {'new/old':>8} {'95% interval':>16} differ")
-    for run in runs:
-        for task in tasks:
+    for task in tasks:  # every decoder and batch size on one task before the next task
+        for run in runs:
             for b in [int(x) for x in a.batch_sizes.split(",")]:
                 job = {"model": run.model, "task": task, "limit": a.limit, "config": run.configs[task], "batch": b}
                 tps = {"old": [], "new": []}
