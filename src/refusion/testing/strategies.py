@@ -189,23 +189,23 @@ def reorderings(n: int):
 # -- decoder configs --------------------------------------------------------------------------------------------
 
 def _refusion_shape(draw) -> dict[str, Any]:
-    k = draw(st.integers(1, 6))
-    n_slots = draw(st.integers(1, 6))
+    k = draw(st.integers(1, 5))
+    n_slots = draw(st.integers(1, 4))
     blocks = draw(st.sampled_from([d for d in range(1, n_slots + 1) if n_slots % d == 0]))
     return {"slot_size": k, "serial_blocks": blocks,
             "gen_length": draw(st.integers(max(1, (n_slots - 1) * k + 1), n_slots * k))}
 
 
 def _llada_shape(draw) -> dict[str, Any]:
-    block = draw(st.integers(1, 6))
+    block = draw(st.integers(1, 5))
     n_blocks = draw(st.integers(1, 3))
     return {"gen_length": block * n_blocks, "block_length": block,
             "steps": draw(st.integers(1, block)) * n_blocks}
 
 
 def _block_shape(draw) -> dict[str, Any]:
-    size = draw(st.integers(1, 6))
-    out = {"gen_length": draw(st.integers(1, 20)), "block_size": size}
+    size = draw(st.integers(1, 5))
+    out = {"gen_length": draw(st.integers(1, MAX_GEN_LENGTH)), "block_size": size}
     if draw(st.booleans()):
         out["sub_block_size"] = draw(st.sampled_from([d for d in range(1, size + 1) if size % d == 0]))
     return out
@@ -215,7 +215,7 @@ def _block_shape(draw) -> dict[str, Any]:
 #: other option of every decoder (a third-party one included) is drawn from its Options' constraints
 SHAPES = {"refusion": _refusion_shape, "llada": _llada_shape, "block": _block_shape}
 #: options drawn for every decoder: generation lengths the tiny models decode in milliseconds
-MAX_GEN_LENGTH = 24
+MAX_GEN_LENGTH = 16
 
 
 @st.composite
