@@ -6,14 +6,16 @@ properties and raises :class:`ContractError` naming every property that failed, 
 
 Each ``check_<kind>(cls_or_name, options=None, max_examples=None)`` draws the part's options from its
 ``Options`` model unless ``options`` (a mapping or an ``Options`` instance) fixes them, and runs
-``max_examples`` examples per property (None: the active hypothesis profile's, 100 by default; the
-project's test suite registers ``ci`` = 25 and ``thorough`` = 1,000). The contracts, kind by kind, are
+``max_examples`` examples per property (None: the environment variable ``REFUSION_CHECK_EXAMPLES`` if set,
+else the active hypothesis profile's, 100 by default; the project's test suite registers ``ci`` = 25 and
+``thorough`` = 1,000). The contracts, kind by kind, are
 listed in :data:`CONTRACTS` and in docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,7 +66,8 @@ def _settings(max_examples: int | None):
     from hypothesis import HealthCheck, settings
 
     base = settings()
-    return settings(base, max_examples=max_examples or base.max_examples, deadline=None, report_multiple_bugs=False,
+    max_examples = max_examples or int(os.environ.get("REFUSION_CHECK_EXAMPLES") or 0) or base.max_examples
+    return settings(base, max_examples=max_examples, deadline=None, report_multiple_bugs=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 
