@@ -142,3 +142,13 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert LINK.findall(prose(text)) == ["../shared/reference/a.md", "missing.md#z"]
     assert slug("`refusion bench`: the main job") == "refusion-bench-the-main-job"
     assert slug("What is checked on CPU, and what only GPUs show") == "what-is-checked-on-cpu-and-what-only-gpus-show"
+
+
+def test_reliability_lists_every_contract_refusion_testing_checks():
+    """docs/reliability.md's table of contracts per part kind is refusion.testing's CONTRACTS, row by row."""
+    from refusion.testing.checks import CONTRACTS
+
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `") and line.count("|") == 4]
+    listed = [(r.split("|")[1].strip(" `"), r.split("|")[3].strip()) for r in rows]
+    assert listed == [(kind, s) for kind, statements in CONTRACTS.items() for s in statements]

@@ -172,3 +172,18 @@ def test_a_fresh_third_party_scorer_is_checked_alone_and_inside_every_decoder_th
 def test_installed_plugins_are_in_the_registry_these_tests_draw_from():
     """Run with REFUSION_TEST_AUTOLOAD=1: the entry points' parts are parametrized above like the built-ins."""
     assert any(not e.origin.startswith("builtin") for e in CHECKED)
+
+
+def test_check_plugin_exits_1_with_the_failing_example(capsys):
+    """`refusion check-plugin NAME` on a plugin with a broken scorer: exit 1, the part, the property and its
+    example on stdout; the plugin's sound parts still pass."""
+    from refusion.cli import main
+
+    module = types.ModuleType("broken_scorer_plugin")
+    module.register_scorers = hookimpl(lambda register: (register("slot_order", SlotOrderScorer),
+                                                         register("geo_mean_prob", GeoMeanProb)))
+    set_registry(build_registry(make_plugin_manager([module], autoload=False)))
+    assert main(["check-plugin", "broken_scorer_plugin", "--no-decoders", "--max-examples", "10"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  scorer slot_order" in out and "reorder invariance" in out and "Failing test case" in out, out
+    assert "ok    scorer geo_mean_prob" in out and "1 of 2 checks passed for broken_scorer_plugin" in out, out
