@@ -356,3 +356,21 @@ def test_a_worker_decodes_only_its_share(tmp_path, bench_config):
                      shard=(1, 2)) == []
     assert [(r["idx"], r["run"]) for r in load_records(out / "samples.jsonl")] == \
         [(1, "ar"), (1, "refusion"), (3, "ar"), (3, "refusion")]
+
+
+def test_a_set_aimed_at_one_row_changes_only_that_row(bench_config):
+    """`--set ROW:key=value` overrides one row; a plain `--set` every row; one that a row's decoder refuses
+    says how to aim it; a row that is not run is refused by name."""
+    from refusion.experiments.bench import bench_runs, load_bench_config, split_row
+
+    cfg = load_bench_config(bench_config)
+    runs = {r.label: r for r in bench_runs(cfg, ["ar", "refusion"], ["arith"],
+                                           ["refusion:scorer=mean_prob", "gen_length=8"])}
+    assert runs["refusion"].configs["arith"]["scorer"] == "mean_prob" and runs["refusion"].configs["arith"]["gen_length"] == 8
+    assert "scorer" not in runs["ar"].configs["arith"] and runs["ar"].configs["arith"]["gen_length"] == 8
+    assert split_row("verifier.token_threshold=0.5") == (None, "verifier.token_threshold=0.5")
+    assert split_row("refusion-paper:slot_size=4") == ("refusion-paper", "slot_size=4")
+    with pytest.raises(ConfigError, match="ROW:key=value sets one row, e.g. --set refusion:scorer=mean_prob"):
+        bench_runs(cfg, ["ar", "refusion"], ["arith"], ["scorer=mean_prob"])
+    with pytest.raises(ConfigError, match="no row 'llada' is run"):
+        bench_runs(cfg, ["ar", "refusion"], ["arith"], ["llada:steps=4"])

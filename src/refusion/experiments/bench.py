@@ -70,14 +70,43 @@ class BenchConfig(BaseModel):
 
     def decoder_config(self, task: str, row: str, gen_length: int, overrides: list[str] = ()) -> dict[str, Any]:
         """The row's shared settings, then the task's overrides for the row (a harder level without its own:
-        its base task's), then ``overrides`` (``key=value``)."""
+        its base task's), then ``overrides``: ``key=value`` for every row, ``ROW:key=value`` for row ``ROW``
+        only (:func:`row_overrides`)."""
         from refusion.tasks import get_task
 
         cfg = {"decoder": self.decoder_of(row), "gen_length": gen_length, **self.decoders.get(row, {})}
         per_task = self.tasks.get(task) or self.tasks.get(get_task(task).split_name, {})
         for key, value in per_task.get(row, {}).items():
             cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) and isinstance(value, dict) else value
-        return apply_overrides(cfg, list(overrides))
+        return apply_overrides(cfg, row_overrides(overrides, row))
+
+
+def split_row(item: str) -> tuple[str | None, str]:
+    """``"ROW:key=value"`` -> ``("ROW", "key=value")``; ``"key=value"`` -> ``(None, "key=value")`` (a ``:``
+    after the ``=`` belongs to the value)."""
+    key, sep, _ = item.partition("=")
+    row, colon, rest = key.partition(":")
+    if sep and colon and row.strip():
+        return row.strip(), item[len(row) + 1:].lstrip()
+    return None, item
+
+
+def row_overrides(overrides: list[str], row: str) -> list[str]:
+    """The ``--set`` items that apply to ``row``: the plain ones and its own ``ROW:key=value`` ones, in order."""
+    out = []
+    for item in overrides:
+        target, setting = split_row(item)
+        if target is None or target == row:
+            out.append(setting)
+    return out
+
+
+def check_row_overrides(overrides: list[str], rows: list[str]) -> None:
+    """Refuse a ``ROW:key=value`` naming a row that is not run."""
+    for item in overrides:
+        target, _ = split_row(item)
+        if target is not None and target not in rows:
+            raise ConfigError(f"--set {item!r}: no row {target!r} is run; rows: {', '.join(rows)}")
 
 
 def load_bench_config(path: str | Path | None = None) -> BenchConfig:
@@ -109,10 +138,23 @@ def bench_runs(cfg: BenchConfig, decoders: list[str], tasks: list[str], override
     unknown = [d for d in decoders if d not in cfg.models]
     if unknown:
         raise ConfigError(f"--decoders: no model configured for {unknown}; configured: {', '.join(cfg.models)}")
-    return [Run(label=d, model=cfg.models[d],
+    check_row_overrides(list(overrides), list(decoders))
+    runs = [Run(label=d, model=cfg.models[d],
                 configs={t: cfg.decoder_config(t, d, get_task(t).max_new_tokens, overrides) for t in tasks},
                 batch_size=batch_size, limit=cfg.rows[d].limit if d in cfg.rows else None)
             for d in decoders]
+    plain = [o for o in overrides if split_row(o)[0] is None]
+    if plain:  # a --set for every row that one row's decoder refuses: say how to aim it at one row
+        from refusion.core.config import validate_config
+
+        for run in runs:
+            for config in run.configs.values():
+                try:
+                    validate_config(config)
+                except ConfigError as e:
+                    raise ConfigError(f"row {run.label}: {e} (--set {' --set '.join(plain)} applies to every row; "
+                                      f"ROW:key=value sets one row, e.g. --set refusion:{plain[0]})") from None
+    return runs
 
 
 LABEL_OFFSETS = ((6, -4), (6, 8), (6, -16), (-52, -4), (-52, 8))  # points: right, above, below, left
@@ -290,7 +332,8 @@ def add_bench_command(sub) -> None:
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--out", default="runs/bench", help="output folder (samples.jsonl, results.json, plots)")
     p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
+    p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
+                   help="override every row's decoder config, or with ROW: one row's (e.g. refusion:scorer=mean_prob)")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     add_resume_args(p)
