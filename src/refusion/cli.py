@@ -106,7 +106,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         table.add_column(col)
     for e in rows:
         table.add_row(e.kind, e.name, f"{e.cls.__module__}.{e.cls.__qualname__}", e.origin)
-    Console(markup=False).print(table)
+    from refusion.experiments.runner import print_fitted
+
+    print_fitted(table, "`refusion plugins --json` prints every field", Console(markup=False))
     return 0
 
 

@@ -279,7 +279,25 @@ def evaluate(
     return [r for r in records if (r["run"], r["task"]) in wanted]
 
 
-def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = ()) -> None:
+def print_fitted(table, where: str, console=None) -> None:
+    """Print a rich ``table``; when its columns do not fit the terminal (rich then squeezes and cuts them),
+    say so on stderr and ``where`` every column can be seen."""
+    import sys
+
+    from rich.console import Console
+
+    from rich.measure import Measurement
+
+    console = console or Console(markup=False)
+    needed = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    console.print(table)
+    if needed > console.width:
+        print(f"note: the table needs {needed} columns and the terminal has {console.width}, so some cells are "
+              f"cut; {where}, or widen the terminal (COLUMNS={needed} also works)", file=sys.stderr)
+
+
+def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = (),
+                where: str = "results.json and summary.md in the output folder hold every column") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -296,7 +314,7 @@ def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = ()) -
             cells.append("-" if v is None else f"{100 * v:.1f}" if key == "accuracy" else
                          f"{v:.2f}" if isinstance(v, float) else str(v))
         table.add_row(*cells)
-    Console(markup=False).print(table)  # run labels print as they are, brackets included
+    print_fitted(table, where, Console(markup=False))  # run labels print as they are, brackets included
 
 
 def _with_batch(rows: list[dict[str, Any]], extra: list[str]) -> list[str]:
