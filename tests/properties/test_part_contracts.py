@@ -187,3 +187,15 @@ def test_check_plugin_exits_1_with_the_failing_example(capsys):
     out = capsys.readouterr().out
     assert "FAIL  scorer slot_order" in out and "reorder invariance" in out and "Failing test case" in out, out
     assert "ok    scorer geo_mean_prob" in out and "1 of 2 checks passed for broken_scorer_plugin" in out, out
+
+
+def test_without_hypothesis_the_checks_say_how_to_install_it_and_the_models_still_import(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "refusion.testing._hypothesis", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'refusion\[testing\]'"):
+        importlib.import_module("refusion.testing._hypothesis")
+    monkeypatch.delitem(sys.modules, "refusion.testing.models", raising=False)
+    assert importlib.import_module("refusion.testing.models").make_char_tokenizer
