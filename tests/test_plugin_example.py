@@ -60,7 +60,7 @@ def test_a_decode_uses_them_and_checks_their_options(installed):
 def test_the_examples_own_tests_pass(installed):
     """Its tests check its parts with refusion.testing (REFUSION_CHECK_EXAMPLES keeps them short here)."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
-                          env={**installed, "REFUSION_CHECK_EXAMPLES": "10"}, capture_output=True, text=True,
+                          env={**installed, "REFUSION_CHECK_EXAMPLES": "5"}, capture_output=True, text=True,
                           cwd=EXAMPLE)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -68,7 +68,7 @@ def test_the_examples_own_tests_pass(installed):
 def test_check_plugin_runs_every_check_on_the_installed_parts(installed):
     """`refusion check-plugin DIST` checks each part the distribution registered against its kind's contract
     and inside every decoder that takes it, with no test of the project naming them."""
-    out = refusion(installed, "check-plugin", "refusion-plugin-example", "--max-examples", "8")
+    out = refusion(installed, "check-plugin", "refusion-plugin-example", "--max-examples", "5")
     for line in ("ok    scorer min_prob", "ok    verifier running_product", "ok    extender running_product",
                  "ok    decoder refusion with scorer min_prob", "ok    decoder llada with scorer min_prob",
                  "ok    decoder refusion with extender running_product"):
