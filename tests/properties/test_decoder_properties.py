@@ -30,8 +30,8 @@ def test_decoder_invariants(name):
     """For every registered decoder (an installed plugin's too) and every configuration drawn from the
     registry's parts and their options (refusion.testing.check_decoder): no [MASK] in the output; at most
     gen_length tokens; nothing after the first EOS, and an EOS forced at a generated position ends the output;
-    the committed positions form exactly a prefix range and restoring the buffer by position gives the
-    output; NFE equals the forward calls counted by a hook on the model; the same seed decodes the same
+    every output position is committed once and restoring the buffer by position gives the output (a
+    slot past the output is committed only before an EOS or as padding past gen_length); NFE equals the forward calls counted by a hook on the model; the same seed decodes the same
     (temperature 0 or sampled); the streamed commits are the output; each sequence of a batch decodes as
     alone."""
     assert check_decoder(name).ok

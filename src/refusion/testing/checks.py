@@ -603,8 +603,8 @@ def check_cache_manager(cls_or_name, options=None, max_examples: int | None = No
 DECODER_INVARIANTS = _contract(
     "decoder", "every config drawn from the registry's parts and options, any prompt, EOS forced anywhere or "
                "nowhere: no [MASK] in the output, at most gen_length tokens, nothing after the first EOS (and a "
-               "forced EOS ends the output), the committed positions a prefix range that restores the output "
-               "by position, NFE equals the model's forward calls, the same seed decodes the same, the streamed "
+               "forced EOS ends the output), every output position committed once and the buffer restored by "
+               "position is the output (positions past it only before an EOS or past gen_length), NFE equals the model's forward calls, the same seed decodes the same, the streamed "
                "commits are the output left to right, and each sequence of a batch decodes as alone")
 
 
@@ -652,7 +652,12 @@ def decoder_invariants(bb, cfg: dict, prompt: list[int], other: list[int], eos_a
     if res.buffer_pos:
         P = len(prompt)
         gen = sorted(res.buffer_pos[P:])
-        assert gen == list(range(P, P + len(gen))), f"{ctx}: committed positions {gen} are not a prefix range"
+        assert len(set(gen)) == len(gen), f"{ctx}: a position committed twice: {gen}"
+        beyond = [p for p in gen if p >= P + len(ids)]
+        ended = bool(ids) and (ids[-1] in bb.eos_ids or len(ids) == cfg["gen_length"])
+        assert set(range(P, P + len(ids))) <= set(gen) and (not beyond or ended), \
+            (f"{ctx}: committed positions {gen} are not the output's prefix range (positions past it only when "
+             "the output ends with EOS or at gen_length: slots committed before the EOS, or slot padding)")
         restored = [t for _, t in sorted(zip(res.buffer_pos, res.buffer_ids))][P:]
         assert restored[: len(ids)] == ids, f"{ctx}: the buffer restored by position is {restored}"
     assert res.stats.nfe + again.stats.nfe == n_calls, f"{ctx}: NFE {res.stats.nfe} + {again.stats.nfe} != {n_calls} model calls"
