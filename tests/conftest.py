@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-os.environ["REFUSION_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # before any registry is built
+if not os.environ.get("REFUSION_TEST_AUTOLOAD"):  # REFUSION_TEST_AUTOLOAD=1: installed plugins are checked too
+    os.environ["REFUSION_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # before any registry is built
 
 import pytest
 import torch

@@ -1,76 +1,15 @@
-"""Test helpers: a character tokenizer with a mask token, tiny random Qwen3 models, a logits forcer."""
+"""Test helpers. The character tokenizer, tiny random Qwen3 models and the logits hooks live in
+:mod:`refusion.testing.models` (installed, for plugin authors too) and are re-exported here."""
 
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,+-*=#?\n")
-SPECIALS = ["<|endoftext|>", "<|pad|>", "<|beginoftext|>", "<|mask|>"]
+from refusion.testing.models import (  # noqa: F401  (moved to the installed package; imported from here by tests)
+    CHARS, SPECIALS, ban_token, force_token, kept_rows, make_char_tokenizer, make_tiny_qwen3,
+)
+
 MICRO_SENTENCE = "the quick brown fox sees "  # the micro_refusion fixture's fixed response head
-
-
-def make_char_tokenizer(with_mask: bool = True) -> PreTrainedTokenizerFast:
-    specials = SPECIALS if with_mask else SPECIALS[:3]
-    vocab = {t: i for i, t in enumerate(specials + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|pad|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    kw = dict(eos_token="<|endoftext|>", pad_token="<|pad|>", bos_token="<|beginoftext|>")
-    if with_mask:
-        kw["mask_token"] = "<|mask|>"
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
-
-
-def make_tiny_qwen3(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 64) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=0, pad_token_id=1, bos_token_id=2,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
-
-
-
-
-def kept_rows(per_position: torch.Tensor, logits_to_keep, n_rows: int) -> torch.Tensor:
-    """The entries of ``per_position [B, T]`` at the positions whose logits a forward computed (``n_rows``
-    of them: a model that ignores ``logits_to_keep`` computes all)."""
-    if n_rows == per_position.shape[1]:
-        return per_position
-    if isinstance(logits_to_keep, torch.Tensor):
-        return per_position[:, logits_to_keep]
-    return per_position[:, -logits_to_keep:] if logits_to_keep else per_position
-
-
-def force_token(model, position: int, token: int, boost: float = 1e4):
-    """Make ``model`` predict ``token`` wherever the logits predict ``position``.
-
-    At a [MASK] input the logits predict the same position; at a real token, the next one. Returns the
-    hook handle (``.remove()`` to undo).
-    """
-    mask_id = 3
-
-    def hook(module, args, kwargs, output):
-        ids, pos = kwargs["input_ids"], kwargs["position_ids"]
-        target = torch.where(ids == mask_id, pos, pos + 1)
-        target = kept_rows(target, kwargs.get("logits_to_keep", 0), output.logits.shape[1])
-        output.logits[..., token] += boost * (target == position).to(output.logits.dtype)
-        return output
-
-    return model.register_forward_hook(hook, with_kwargs=True)
-
-
-def ban_token(model, token: int):
-    """Make ``model`` never predict ``token`` (a hook; ``.remove()`` to undo)."""
-
-    def hook(module, args, output):
-        output.logits[..., token] -= 1e4
-        return output
-
-    return model.register_forward_hook(hook)
 
 
 def chosen(mask: torch.Tensor) -> list[int]:

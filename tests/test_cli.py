@@ -166,3 +166,17 @@ def test_auto_threads_are_the_free_physical_cores(monkeypatch):
     assert threads.resolve_threads("auto") == 1
     assert threads.resolve_threads(None) == 1 and threads.resolve_threads(None, default=2) == 2
     assert threads.resolve_threads(None, default=None) is None
+
+
+def test_a_table_wider_than_the_terminal_says_where_every_column_is(monkeypatch, capsys):
+    """`refusion plugins` (and the bench and ablation summaries) on a narrow terminal: rich cuts cells, and a
+    note on stderr says so and how to see them whole; on a wide one, no note."""
+    from refusion.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plugins"]) == 0
+    err = capsys.readouterr().err
+    assert "terminal has 80" in err and "refusion plugins --json" in err, err
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["plugins"]) == 0
+    assert "note:" not in capsys.readouterr().err

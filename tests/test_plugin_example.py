@@ -58,6 +58,26 @@ def test_a_decode_uses_them_and_checks_their_options(installed):
 
 
 def test_the_examples_own_tests_pass(installed):
+    """Its tests check its parts with refusion.testing (REFUSION_CHECK_EXAMPLES keeps them short here)."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
-                          env=installed, capture_output=True, text=True, cwd=EXAMPLE)
+                          env={**installed, "REFUSION_CHECK_EXAMPLES": "5"}, capture_output=True, text=True,
+                          cwd=EXAMPLE)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_check_plugin_runs_every_check_on_the_installed_parts(installed, monkeypatch, capsys):
+    """`refusion check-plugin DIST` checks each part the distribution registered against its kind's contract
+    and inside every decoder that takes it, with no test of the project naming them (in this process, the
+    example's folder on the path and entry points loaded, as an installed package is found)."""
+    from refusion.cli import main
+    from refusion.core.registry import build_registry, make_plugin_manager, set_registry
+
+    monkeypatch.syspath_prepend(installed["PYTHONPATH"].split(os.pathsep)[0])
+    set_registry(build_registry(make_plugin_manager(autoload=True)))
+    assert main(["check-plugin", "refusion-plugin-example", "--max-examples", "5"]) == 0
+    out = capsys.readouterr().out
+    for line in ("ok    scorer min_prob", "ok    verifier running_product", "ok    extender running_product",
+                 "ok    decoder refusion with scorer min_prob", "ok    decoder llada with scorer min_prob",
+                 "ok    decoder refusion with extender running_product"):
+        assert line in out, out
+    assert out.rstrip().endswith("checks passed for refusion-plugin-example"), out

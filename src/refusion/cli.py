@@ -1,4 +1,4 @@
-"""The ``refusion`` command line: generate, plugins, bench, batch-bench, profile, trace, ablate, results, train, eval,
+"""The ``refusion`` command line: generate, plugins, check-plugin, bench, batch-bench, profile, trace, ablate, results, train, eval,
 eval-table."""
 
 from __future__ import annotations
@@ -106,8 +106,72 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         table.add_column(col)
     for e in rows:
         table.add_row(e.kind, e.name, f"{e.cls.__module__}.{e.cls.__qualname__}", e.origin)
-    Console(markup=False).print(table)
+    from refusion.experiments.runner import print_fitted
+
+    print_fitted(table, "`refusion plugins --json` prints every field", Console(markup=False))
     return 0
+
+
+def _matches(origin: str, name: str) -> bool:
+    """Whether a registry origin ("entry point N (DIST VERSION)", "builtin MODULE", "plugin N") is ``name``'s:
+    its entry-point name, distribution (case, ``-`` and ``_`` alike), module or plugin name; ``builtin``
+    names every built-in part."""
+    def norm(text: str) -> str:
+        return text.lower().replace("_", "-")
+
+    if name == "builtin":
+        return origin.startswith("builtin ")
+    words = origin.replace("(", " ").replace(")", " ").split()
+    if origin.startswith("entry point "):
+        return norm(name) in (norm(words[2]), norm(words[3]))
+    return norm(name) == norm(words[-1])
+
+
+def cmd_check_plugin(args: argparse.Namespace) -> int:
+    """Run refusion.testing's check of its kind on every part ``NAME`` registered, and the decoder
+    invariants of every decoder that takes such a part with that part drawn (or of a registered decoder)."""
+    try:
+        from refusion.testing import checks
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    from refusion.core.config import part_fields
+    from refusion.core.registry import get_registry
+    from refusion.core.threads import set_threads
+
+    set_threads(args.threads)
+    registry = get_registry()
+    entries = [e for e in registry.entries() if _matches(e.origin, args.name)]
+    if not entries:
+        origins = sorted({e.origin for e in registry.entries() if not e.origin.startswith("builtin ")})
+        raise ConfigError(f"no registered part comes from {args.name!r}; plugins: {', '.join(origins) or 'none'} "
+                          "(or 'builtin')")
+    runs = []  # (label, callable)
+    for e in entries:
+        if e.kind == "decoder":
+            runs.append((f"decoder {e.name}", lambda e=e: checks.check_decoder(
+                e.name, args.max_examples, registry=registry, raise_on_failure=False)))
+        elif e.kind in checks.CHECKS:
+            runs.append((f"{e.kind} {e.name}", lambda e=e: checks.CHECKS[e.kind](
+                e.cls, None, args.max_examples, registry=registry, raise_on_failure=False)))
+            if not args.no_decoders:
+                for dec in registry.names("decoder"):
+                    if e.kind in part_fields(registry.get("decoder", dec).Options):
+                        runs.append((f"decoder {dec} with {e.kind} {e.name}", lambda e=e, dec=dec: checks.check_decoder(
+                            dec, args.max_examples, registry=registry, parts={e.kind: [e.name]},
+                            raise_on_failure=False)))
+        else:
+            print(f"skip  {e.kind} {e.name}: no check for this kind")
+    failed = 0
+    for label, run in runs:
+        report = run()
+        status = "ok  " if report.ok else "FAIL"
+        print(f"{status}  {label}: {len(report.passed)} of {len(report.passed) + len(report.failed)} properties hold",
+              flush=True)
+        if not report.ok:
+            failed += 1
+            print(report.message().replace(f"{report.kind} {report.name}", label, 1), flush=True)
+    print(f"{len(runs) - failed} of {len(runs)} checks passed for {args.name}")
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list every registered part with its kind and origin")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
+
+    c = sub.add_parser("check-plugin", help="check every part an installed plugin registered against its kind's contract",
+                       description="Run refusion.testing's check of its kind on every part NAME registered (its "
+                       "reorder, position and padding properties with hypothesis), and the decoder invariants of "
+                       "each decoder that takes such a part, with that part drawn. Exit 1 with the failing examples.")
+    c.add_argument("name", metavar="NAME", help="a distribution (refusion-plugin-example), an entry-point or plugin "
+                   "module name, or 'builtin'")
+    c.add_argument("--max-examples", type=int, default=50, help="examples per property (default 50)")
+    c.add_argument("--no-decoders", action="store_true", help="check the parts alone, not inside the decoders")
+    from refusion.core.threads import add_threads_arg as _threads
+
+    _threads(c)
+    c.set_defaults(func=cmd_check_plugin)
 
     from refusion.experiments.ablate import add_ablate_command
     from refusion.experiments.batching import add_batching_command

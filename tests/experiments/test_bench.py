@@ -356,3 +356,40 @@ def test_a_worker_decodes_only_its_share(tmp_path, bench_config):
                      shard=(1, 2)) == []
     assert [(r["idx"], r["run"]) for r in load_records(out / "samples.jsonl")] == \
         [(1, "ar"), (1, "refusion"), (3, "ar"), (3, "refusion")]
+
+
+def test_a_set_aimed_at_one_row_changes_only_that_row(bench_config):
+    """`--set ROW:key=value` overrides one row; a plain `--set` every row; one that a row's decoder refuses
+    says how to aim it; a row that is not run is refused by name."""
+    from refusion.experiments.bench import bench_runs, load_bench_config, split_row
+
+    cfg = load_bench_config(bench_config)
+    runs = {r.label: r for r in bench_runs(cfg, ["ar", "refusion"], ["arith"],
+                                           ["refusion:scorer=mean_prob", "gen_length=8"])}
+    assert runs["refusion"].configs["arith"]["scorer"] == "mean_prob" and runs["refusion"].configs["arith"]["gen_length"] == 8
+    assert "scorer" not in runs["ar"].configs["arith"] and runs["ar"].configs["arith"]["gen_length"] == 8
+    assert split_row("verifier.token_threshold=0.5") == (None, "verifier.token_threshold=0.5")
+    assert split_row("refusion-paper:slot_size=4") == ("refusion-paper", "slot_size=4")
+    with pytest.raises(ConfigError, match="ROW:key=value sets one row, e.g. --set refusion:scorer=mean_prob"):
+        bench_runs(cfg, ["ar", "refusion"], ["arith"], ["scorer=mean_prob"])
+    with pytest.raises(ConfigError, match="no row 'llada' is run"):
+        bench_runs(cfg, ["ar", "refusion"], ["arith"], ["llada:steps=4"])
+
+
+def test_seeds_repeat_each_sample_pool_the_statistics_and_pair_by_seed(tmp_path, bench_config, monkeypatch):
+    """`--seeds 3`: every sample decoded with seeds 0, 1, 2 (records carry the seed), n pools them, the
+    rows are paired with ar by (sample, seed), and a resume redoes nothing."""
+    monkeypatch.setattr(type(get_task("facts")), "max_new_tokens", 6)
+    args = dict(tasks=["facts"], decoders=["ar", "refusion"], limit=2, out=tmp_path / "s", config=str(bench_config),
+                overrides=["refusion:drafter.temperature=1.0"], seeds=3)
+    rows = run_bench(**args)
+    records = load_records(tmp_path / "s" / "samples.jsonl")
+    assert sorted((r["run"], r["idx"], r["seed"]) for r in records) == sorted(
+        (run, i, s) for run in ("ar", "refusion") for i in range(2) for s in range(3))
+    assert [(r["run"], r["n"], r["seeds"]) for r in rows] == [("ar", 6, 3), ("refusion", 6, 3)]
+    assert rows[1]["accuracy_diff"]["n"] == 6
+    sampled = {(r["idx"], r["seed"]): r["token_ids"] for r in records if r["run"] == "refusion"}
+    assert len({tuple(sampled[0, s]) for s in range(3)} | {tuple(sampled[1, s]) for s in range(3)}) > 2  # seeds differ
+    assert run_bench(**args, resume=True) == rows
+    with pytest.raises(ConfigError, match="--seeds"):
+        run_bench(**{**args, "seeds": 0, "out": tmp_path / "z"})

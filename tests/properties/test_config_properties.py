@@ -5,8 +5,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refusion.core.config import ConfigError, dump_config, validate_config
+from refusion.core.registry import get_registry, set_registry
+from refusion.testing.strategies import decoder_configs
 
 pytestmark = pytest.mark.property
+DECODERS = get_registry().names("decoder")
+set_registry(None)  # the suite's fixture builds a fresh registry per test
 
 unit = st.floats(0.0, 1.0, allow_nan=False)
 
@@ -30,11 +34,14 @@ def valid_config(draw):
     }
 
 
-@given(cfg=valid_config())
-def test_dump_load_round_trip(cfg):
-    """dump_config(validate_config(c)) validates back to the same options and the same parts."""
+@pytest.mark.parametrize("decoder", DECODERS)
+@given(data=st.data())
+def test_dump_load_round_trip(decoder, data):
+    """dump_config(validate_config(c)) validates back to the same options and the same parts, for every
+    registered decoder with configs drawn from the registry's parts and their options."""
+    cfg = data.draw(decoder_configs(decoder))
     _, opts, parts = validate_config(cfg)
-    _, opts2, parts2 = validate_config(dump_config("refusion", opts))
+    _, opts2, parts2 = validate_config(dump_config(decoder, opts))
     assert opts2 == opts
     assert {k: (type(p), p.options) for k, p in parts.items()} == {k: (type(p), p.options) for k, p in parts2.items()}
 

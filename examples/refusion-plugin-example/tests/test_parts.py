@@ -1,9 +1,23 @@
-"""The example's own tests: its parts are functions of tensors, testable without a model."""
+"""The example's own tests: its parts are functions of tensors, testable without a model. refusion.testing
+checks each against its kind's contract (hypothesis properties: reorder, padding, prefix, monotonicity) and
+inside the decoders; the example-based tests below pin a few values."""
 
 import torch
 
 from refusion.core.types import Proposal
+from refusion.testing import check_decoder, check_extender, check_scorer, check_verifier
 from refusion_plugin_example.parts import MinProb, RunningProduct, RunningProductExtender
+
+
+def test_each_part_keeps_its_kinds_contract():
+    check_scorer(MinProb)
+    check_verifier(RunningProduct)
+    check_extender(RunningProductExtender)
+
+
+def test_the_decoders_keep_their_invariants_with_these_parts():
+    check_decoder("refusion", parts={"scorer": ["min_prob"], "verifier": ["running_product"],
+                                     "extender": ["running_product"]})
 
 
 def test_min_prob_ignores_padding():

@@ -141,6 +141,10 @@ class CacheManager(Part):
     """How the KV of slots completed in separate cache rows enters the single-row cache."""
 
     kind = "cache"
+    #: True when the merged cache equals a fresh forward of the prefix and every slot in buffer order (with
+    #: their position ids); False when only the prefix and the first slot are exact (kv_concat's reuse).
+    #: ``refusion.testing.check_cache_manager`` holds a manager to what it declares.
+    exact: ClassVar[bool] = False
 
     @abstractmethod
     def merge_rows(

@@ -59,37 +59,37 @@ class Strict(BaseModel):
 
 
 class RunSpec(Strict):
-    label: str
-    decoder: str
+    label: str = Field(description="the run's name in tables and plots (unique)")
+    decoder: str = Field(description="a registered decoder (refusion, ar, llada, block, or a plugin's)")
     model: str | None = Field(None, description="model folder or shipped name (default: the bench's for the decoder)")
     set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of the decoder config")
 
 
 class GridSpec(Strict):
-    decoder: str
-    model: str | None = None
+    decoder: str = Field(description="the decoder of every grid point")
+    model: str | None = Field(None, description="model folder or shipped name (default: the bench's for the decoder)")
     set: dict[str, Any] = Field(default_factory=dict, description="overrides shared by every grid point")
     axes: dict[str, list[Any]] = Field(description="dotted key -> values; the runs are their cartesian product")
 
 
 class PlotSpec(Strict):
-    x: str
-    y: str = "accuracy"
-    title: str | None = None
-    connect: bool = False  # join each decoder's runs in x order (a trade-off frontier)
+    x: str = Field(description="a metric of the summary (tpf, tokens_per_second, nfe_mean, latency_s_mean, accuracy) or a swept dotted key")
+    y: str = Field("accuracy", description="a metric of the summary")
+    title: str | None = Field(None, description="the plot's title (default: 'y vs x')")
+    connect: bool = Field(False, description="join each decoder's runs in x order (a trade-off frontier)")
 
 
 class AblationConfig(Strict):
-    name: str
-    title: str = ""
-    tasks: list[str] = ["arith", "code", "facts"]
-    split: str = "test"
-    limit: int | None = 50
-    baseline: str | None = None
-    runs: list[RunSpec] = []
-    grid: GridSpec | None = None
-    plots: list[PlotSpec] = []
-    bench_config: str | None = None
+    name: str = Field(description="the ablation's name (results.json, the results page's section)")
+    title: str = Field("", description="a one-line title for tables and the results page")
+    tasks: list[str] = Field(["arith", "code", "facts"], description="tinybench tasks to run on")
+    split: str = Field("test", description="test or validation (choose settings on validation, never on test)")
+    limit: int | None = Field(50, description="samples per task (None: the whole split)")
+    baseline: str | None = Field(None, description="the label of the run speed-ups are over, per task")
+    runs: list[RunSpec] = Field([], description="runs named one by one (RunSpec)")
+    grid: GridSpec | None = Field(None, description="runs as the cartesian product of axes (GridSpec)")
+    plots: list[PlotSpec] = Field([], description="plots written as PNG and SVG (PlotSpec)")
+    bench_config: str | None = Field(None, description="the bench config runs start from (default configs/bench.yaml)")
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
                                     description="device, dtype, attn_implementation, device_map: over the bench "
                                                 "config's runtime, under the flags")
@@ -101,6 +101,36 @@ class AblationConfig(Strict):
         if not self.runs and self.grid is None:
             raise ValueError("give `runs` or a `grid` (or both)")
         return self
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
+    for noise in ("typing.", "refusion.experiments.ablate.", "refusion.models.loading."):
+        text = text.replace(noise, "")
+    return text
+
+
+def schema_markdown() -> str:
+    """The ablation file's schema as markdown tables, generated from :class:`AblationConfig` and the models of
+    its fields (docs/bench.md holds this text; a test keeps them equal)."""
+    out = []
+    for model in (AblationConfig, RunSpec, GridSpec, PlotSpec, RuntimeOptions):
+        out += [f"`{model.__name__}`" + (" (the file's top level)" if model is AblationConfig else "") + ":", "",
+                "| field | type | default | meaning |", "|---|---|---|---|"]
+        for fname, info in model.model_fields.items():
+            if info.is_required():
+                default = "required"
+            elif info.default_factory is not None:
+                default = "`" + repr(info.default_factory()).replace("RuntimeOptions(device=None, dtype=None, "
+                                                                      "attn_implementation=None, device_map=None)", "{}") + "`"
+            else:
+                default = f"`{info.default!r}`"
+            meaning = (info.description or ("as the flag --" + fname.replace("_", "-") + " (docs/gpu.md, runtime options)"
+                                            if model is RuntimeOptions else "")).replace("|", "\\|")
+            kind = _type_name(info.annotation).replace("|", "\\|")
+            out.append(f"| `{fname}` | `{kind}` | {default} | {meaning} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def load_ablation(path: str | Path) -> AblationConfig:

@@ -70,14 +70,43 @@ class BenchConfig(BaseModel):
 
     def decoder_config(self, task: str, row: str, gen_length: int, overrides: list[str] = ()) -> dict[str, Any]:
         """The row's shared settings, then the task's overrides for the row (a harder level without its own:
-        its base task's), then ``overrides`` (``key=value``)."""
+        its base task's), then ``overrides``: ``key=value`` for every row, ``ROW:key=value`` for row ``ROW``
+        only (:func:`row_overrides`)."""
         from refusion.tasks import get_task
 
         cfg = {"decoder": self.decoder_of(row), "gen_length": gen_length, **self.decoders.get(row, {})}
         per_task = self.tasks.get(task) or self.tasks.get(get_task(task).split_name, {})
         for key, value in per_task.get(row, {}).items():
             cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) and isinstance(value, dict) else value
-        return apply_overrides(cfg, list(overrides))
+        return apply_overrides(cfg, row_overrides(overrides, row))
+
+
+def split_row(item: str) -> tuple[str | None, str]:
+    """``"ROW:key=value"`` -> ``("ROW", "key=value")``; ``"key=value"`` -> ``(None, "key=value")`` (a ``:``
+    after the ``=`` belongs to the value)."""
+    key, sep, _ = item.partition("=")
+    row, colon, rest = key.partition(":")
+    if sep and colon and row.strip():
+        return row.strip(), item[len(row) + 1:].lstrip()
+    return None, item
+
+
+def row_overrides(overrides: list[str], row: str) -> list[str]:
+    """The ``--set`` items that apply to ``row``: the plain ones and its own ``ROW:key=value`` ones, in order."""
+    out = []
+    for item in overrides:
+        target, setting = split_row(item)
+        if target is None or target == row:
+            out.append(setting)
+    return out
+
+
+def check_row_overrides(overrides: list[str], rows: list[str]) -> None:
+    """Refuse a ``ROW:key=value`` naming a row that is not run."""
+    for item in overrides:
+        target, _ = split_row(item)
+        if target is not None and target not in rows:
+            raise ConfigError(f"--set {item!r}: no row {target!r} is run; rows: {', '.join(rows)}")
 
 
 def load_bench_config(path: str | Path | None = None) -> BenchConfig:
@@ -103,16 +132,29 @@ def with_models(cfg: BenchConfig, items: list[str]) -> BenchConfig:
 
 
 def bench_runs(cfg: BenchConfig, decoders: list[str], tasks: list[str], overrides: list[str] = (),
-               batch_size: int = 1) -> list[Run]:
+               batch_size: int = 1, seeds: int = 1) -> list[Run]:
     from refusion.tasks import get_task
 
     unknown = [d for d in decoders if d not in cfg.models]
     if unknown:
         raise ConfigError(f"--decoders: no model configured for {unknown}; configured: {', '.join(cfg.models)}")
-    return [Run(label=d, model=cfg.models[d],
+    check_row_overrides(list(overrides), list(decoders))
+    runs = [Run(label=d, model=cfg.models[d],
                 configs={t: cfg.decoder_config(t, d, get_task(t).max_new_tokens, overrides) for t in tasks},
-                batch_size=batch_size, limit=cfg.rows[d].limit if d in cfg.rows else None)
+                batch_size=batch_size, limit=cfg.rows[d].limit if d in cfg.rows else None, seeds=seeds)
             for d in decoders]
+    plain = [o for o in overrides if split_row(o)[0] is None]
+    if plain:  # a --set for every row that one row's decoder refuses: say how to aim it at one row
+        from refusion.core.config import validate_config
+
+        for run in runs:
+            for config in run.configs.values():
+                try:
+                    validate_config(config)
+                except ConfigError as e:
+                    raise ConfigError(f"row {run.label}: {e} (--set {' --set '.join(plain)} applies to every row; "
+                                      f"ROW:key=value sets one row, e.g. --set refusion:{plain[0]})") from None
+    return runs
 
 
 LABEL_OFFSETS = ((6, -4), (6, 8), (6, -16), (-52, -4), (-52, 8))  # points: right, above, below, left
@@ -211,22 +253,27 @@ def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, o
               config: str | None = None, overrides: list[str] = (), resume: bool = False,
               runtime: RuntimeOptions | None = None, models: list[str] = (),
               batch_size: int | None = None, jobs: int = 1,
-              shard: tuple[int, int] | None = None, rerun_changed: bool = False) -> list[dict[str, Any]]:
+              shard: tuple[int, int] | None = None, rerun_changed: bool = False, seeds: int = 1) -> list[dict[str, Any]]:
     """Run the bench; models load with the config's ``runtime:`` overridden by ``runtime`` (the flags);
     ``batch_size`` (the flag) overrides the config's ``batch_size:``. ``jobs > 1`` decodes in that many
     one-thread worker processes (:mod:`refusion.experiments.sharding`); ``shard=(k, n)`` is one such
     worker: it decodes its share into ``out`` and returns no rows. ``resume`` continues only a folder the
-    same configs started; ``rerun_changed`` decodes the changed runs anew (:func:`runner.evaluate`)."""
+    same configs started; ``rerun_changed`` decodes the changed runs anew (:func:`runner.evaluate`).
+    ``seeds > 1`` decodes every sample with that many seeds (each row's config seed and the next ones: what
+    differs under sampling, ``drafter.temperature > 0``); the statistics pool them and pair rows by sample
+    and seed."""
     check_batch_size(batch_size)
+    check_batch_size(seeds, "--seeds")
     if jobs < 1:
         raise ConfigError(f"--jobs: must be at least 1, got {jobs}")
     cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides,
-                      batch_size if batch_size is not None else cfg.batch_size)
+                      batch_size if batch_size is not None else cfg.batch_size, seeds=seeds)
     inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
-              "model": list(models), "limit": limit}
+              "model": list(models), "limit": limit, **({"seeds": seeds} if seeds > 1 else {})}
     if jobs > 1:
         worker_flags = _worker_flags(tasks, decoders, limit, split, config, overrides, runtime, models, batch_size)
+        worker_flags += ["--seeds", str(seeds)] if seeds > 1 else []
         records = _run_workers(runs, tasks, split, limit, out, resume, cfg.runtime.override(runtime), jobs,
                                worker_flags, rerun_changed, inputs)
     else:
@@ -290,10 +337,14 @@ def add_bench_command(sub) -> None:
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--out", default="runs/bench", help="output folder (samples.jsonl, results.json, plots)")
     p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
+    p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
+                   help="override every row's decoder config, or with ROW: one row's (e.g. refusion:scorer=mean_prob)")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     add_resume_args(p)
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="decode every sample with N seeds (each row's seed and the next N-1; they differ under "
+                        "sampling); statistics pool them, rows paired by sample and seed (default 1)")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
                         "(default: the config's batch_size, else 1)")
@@ -325,7 +376,7 @@ def cmd_bench(a) -> int:
     try:
         rows = run_bench([t for t in a.tasks.split(",") if t], [d for d in a.decoders.split(",") if d] or None,
                          a.limit or None, out, a.split, a.config, a.set, a.resume, runtime_from_args(a), a.model,
-                         a.batch_size, a.jobs, shard, a.rerun_changed)
+                         a.batch_size, a.jobs, shard, a.rerun_changed, seeds=a.seeds)
     except RuntimeError as e:  # a failed worker: named with its log
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -336,6 +387,7 @@ def cmd_bench(a) -> int:
         r["speedup"] = r["speedup_vs_ar"]
     sizes = sorted({r.get("batch_size", 1) for r in rows})
     batch = f", batch size {', '.join(map(str, sizes))}" if sizes and sizes != [1] else ""
+    batch += f", {a.seeds} seeds pooled" if a.seeds > 1 else ""
     workers = f"{a.jobs} one-thread workers" if a.jobs > 1 else f"{threads} torch thread{'s' * (threads != 1)}"
     print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task{batch}, {workers})")
     lines = goal_lines(rows)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.core.threads import set_threads  # noqa: F401  (its old home; commands import it from core.threads)
-from refusion.experiments.records import RecordWriter, done_keys, load_records
+from refusion.experiments.records import RecordWriter, load_records
 from refusion.models.loading import RuntimeOptions
 
 KEY = ("run", "task", "idx")
@@ -47,6 +47,15 @@ class Run:
     params: dict[str, Any] = field(default_factory=dict)  # the swept values, for tables and plots
     batch_size: int = 1  # samples per generate_batch call (1: one generate call per sample)
     limit: int | None = None  # at most this many samples per task (the first ones), under the run's limit
+    seeds: int = 1  # decode each sample with this many seeds (the config's seed, +1, ...); records carry "seed"
+
+    def seed_values(self, task: str) -> list[int | None]:
+        """The ``seed`` of each repetition on ``task``: None (the config's own, records without a seed) for
+        one; else the config's seed and the next ``seeds - 1``."""
+        if self.seeds == 1:
+            return [None]
+        base = int(self.configs[task].get("seed", 0) or 0)
+        return [base + s for s in range(self.seeds)]
 
     @property
     def decoder(self) -> str:
@@ -70,9 +79,16 @@ def forward_share_s(record: dict[str, Any]) -> float | None:
     return record.get("forward_s")
 
 
+def sample_key(record: dict[str, Any]) -> tuple[Any, Any]:
+    """What pairs two runs' records: the sample and, for runs repeated over seeds, the seed."""
+    return record.get("idx"), record.get("seed")
+
+
 def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[dict[str, Any]]:
     """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task,
-    on the samples both decoded (a run with a ``limit`` is compared on its own samples only). Tokens/s is
+    on the samples both decoded (a run with a ``limit`` is compared on its own samples only). A run
+    repeated over seeds (``Run.seeds``) pools every seed's records (``n`` counts them, ``seeds`` says how
+    many) and is paired with the baseline by sample and seed. Tokens/s is
     total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks' wall time, so
     the aggregate throughput), latency the mean per-sample ``wall_s``; a batched run's rows add
     ``batch_size``."""
@@ -96,14 +112,16 @@ def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | No
                 "latency_s_mean": latency / len(rs),
                 "generated_tokens_mean": tokens / len(rs),
             }
+            if run.seeds > 1:
+                row["seeds"] = run.seeds
             sizes = {r.get("batch_size", 1) for r in rs}
             if sizes != {1}:
                 row["batch_size"] = max(sizes)  # one size per (run, task): evaluate refuses to mix them
             rows.append(row)
     for r in rows:
         ref = groups.get((baseline, r["task"]), [])
-        ids = {x.get("idx") for x in groups[r["run"], r["task"]]}
-        ref = [x for x in ref if x.get("idx") in ids] if len(ids) < len(ref) else ref
+        ids = {sample_key(x) for x in groups[r["run"], r["task"]]}
+        ref = [x for x in ref if sample_key(x) in ids] if len(ids) < len(ref) else ref
         ref_wall = sum(decode_share_s(x) for x in ref)
         ref_tps = sum(x["generated_tokens"] for x in ref) / ref_wall if ref_wall else 0.0
         r["speedup"] = r["tokens_per_second"] / ref_tps if ref_tps else None
@@ -113,7 +131,8 @@ def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | No
 
 
 def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str], list[dict]], baseline: str) -> None:
-    """For each row of another run than ``baseline``, on the samples both decoded (matched by ``idx``):
+    """For each row of another run than ``baseline``, on the samples both decoded (matched by ``idx`` and,
+    for runs repeated over seeds, ``seed``: a baseline without seeds pairs with every seed of the row):
     ``accuracy_diff`` (this run's accuracy minus the baseline's, with its 95% paired-bootstrap interval,
     the exact McNemar p-value and the discordant counts) and ``speedup_interval`` (95% paired-bootstrap
     interval of the tokens/s ratio, from each sample's tokens and decode time)."""
@@ -123,8 +142,12 @@ def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str
         ref = groups.get((baseline, row["task"]))
         if row["run"] == baseline or not ref or any("idx" not in r for r in ref):
             continue  # records without sample ids cannot be paired
-        mine = {r["idx"]: r for r in groups[row["run"], row["task"]] if "idx" in r}
-        pairs = [(b, mine[b_idx]) for b_idx, b in ((r["idx"], r) for r in ref) if b_idx in mine]
+        mine = [r for r in groups[row["run"], row["task"]] if "idx" in r]
+        by_key = {sample_key(r): r for r in ref}
+        pairs = [(by_key[sample_key(m)], m) for m in mine if sample_key(m) in by_key]
+        if not pairs:  # a baseline decoded once (no seeds): each seed of this run pairs with its sample
+            by_idx = {r["idx"]: r for r in ref if r.get("seed") is None}
+            pairs = [(by_idx[m["idx"]], m) for m in mine if m["idx"] in by_idx]
         if not pairs:
             continue
         acc = paired_accuracy([b["correct"] for b, _ in pairs], [m["correct"] for _, m in pairs])
@@ -201,7 +224,7 @@ def evaluate(
     if shard is None:
         if prepare_output(out, command or desc, entries, resume, rerun_changed, inputs):
             records = load_records(samples_path)
-    done = done_keys(records, KEY)
+    done = {(r["run"], r["task"], r["idx"], r.get("seed")) for r in records}
 
     backbones: dict[str, Backbone] = {}
     decoders = {}
@@ -209,7 +232,9 @@ def evaluate(
         if run.model not in backbones:
             backbones[run.model] = Backbone.from_pretrained(run.model, **runtime.model_dump())
         for t in tasks:
-            decoders[run.label, t] = build_decoder(backbones[run.model], run.configs[t])
+            for seed in run.seed_values(t):
+                config = run.configs[t] if seed is None else {**run.configs[t], "seed": seed}
+                decoders[run.label, t, seed] = build_decoder(backbones[run.model], config)
     examples = {t.name: t.examples(split, limit) for t in task_objs}
     prompts: dict[tuple[str, str], list[list[int]]] = {}  # (model, task) -> encoded prompts
 
@@ -221,19 +246,20 @@ def evaluate(
 
     # chunks of the samples still to do, per (run, task); interleaved by their first sample, so that
     # machine noise hits all runs alike (at batch size 1: sample by sample, run after run)
-    todo: list[tuple[int, int, int, list[int]]] = []  # (task order, first index, run order, indices)
+    todo: list[tuple[int, int, int, int, Any, list[int]]] = []  # (task, first index, run, seed order, seed, indices)
     for ti, t in enumerate(task_objs):
         for ri, run in enumerate(runs):
             n = len(examples[t.name]) if run.limit is None else min(run.limit, len(examples[t.name]))
-            left = [i for i in range(n) if (run.label, t.name, i) not in done
-                    and (shard is None or i % shard[1] == shard[0])]
-            for c in range(0, len(left), run.batch_size):
-                todo.append((ti, left[c], ri, left[c:c + run.batch_size]))
-    todo.sort(key=lambda c: c[:3])
+            for si, seed in enumerate(run.seed_values(t.name)):
+                left = [i for i in range(n) if (run.label, t.name, i, seed) not in done
+                        and (shard is None or i % shard[1] == shard[0])]
+                for c in range(0, len(left), run.batch_size):
+                    todo.append((ti, left[c], ri, si, seed, left[c:c + run.batch_size]))
+    todo.sort(key=lambda c: c[:4])
     if todo:
         for run in runs:  # warm-up, untimed, so the first timed chunk pays no one-off costs
             t0 = task_objs[0].name
-            dec = decoders[run.label, t0]
+            dec = decoders[run.label, t0, run.seed_values(t0)[0]]
             if run.batch_size == 1:
                 dec.generate(prompt(run, t0, 0))
             else:
@@ -243,10 +269,10 @@ def evaluate(
             bb.time_forwards = True
     try:
         with RecordWriter(samples_path) as writer, \
-                tqdm(total=sum(len(c[3]) for c in todo), desc=desc, unit="decode", dynamic_ncols=True) as bar:
-            for ti, _, ri, idx in todo:
+                tqdm(total=sum(len(c[-1]) for c in todo), desc=desc, unit="decode", dynamic_ncols=True) as bar:
+            for ti, _, ri, _, seed, idx in todo:
                 task, run = task_objs[ti], runs[ri]
-                dec, bb = decoders[run.label, task.name], backbones[run.model]
+                dec, bb = decoders[run.label, task.name, seed], backbones[run.model]
                 fwd0 = bb.forward_s
                 if run.batch_size == 1:
                     results = [dec.generate(prompt(run, task.name, idx[0]))]
@@ -262,7 +288,8 @@ def evaluate(
                     chunk["forward_s" if run.batch_size == 1 else "batch_forward_s"] = bb.forward_s - fwd0
                 for i, res in zip(idx, results):
                     ex = examples[task.name][i]
-                    rec = {"run": run.label, "task": task.name, "idx": i, "decoder": run.decoder, "model": run.model,
+                    rec = {"run": run.label, "task": task.name, "idx": i, **({} if seed is None else {"seed": seed}),
+                           "decoder": run.decoder, "model": run.model,
                            "config_key": entries[run.label][task.name]["config_key"],
                            "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
                            "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, **chunk, "completion": res.text,
@@ -275,11 +302,29 @@ def evaluate(
     finally:
         for bb in backbones.values():
             bb.time_forwards = False
-    wanted = {(r.label, t) for r in runs for t in tasks}
-    return [r for r in records if (r["run"], r["task"]) in wanted]
+    wanted = {(r.label, t, seed) for r in runs for t in tasks for seed in r.seed_values(t)}
+    return [r for r in records if (r["run"], r["task"], r.get("seed")) in wanted]
 
 
-def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = ()) -> None:
+def print_fitted(table, where: str, console=None) -> None:
+    """Print a rich ``table``; when its columns do not fit the terminal (rich then squeezes and cuts them),
+    say so on stderr and ``where`` every column can be seen."""
+    import sys
+
+    from rich.console import Console
+
+    from rich.measure import Measurement
+
+    console = console or Console(markup=False)
+    needed = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    console.print(table)
+    if needed > console.width:
+        print(f"note: the table needs {needed} columns and the terminal has {console.width}, so some cells are "
+              f"cut; {where}, or widen the terminal (COLUMNS={needed} also works)", file=sys.stderr)
+
+
+def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = (),
+                where: str = "results.json and summary.md in the output folder hold every column") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -296,7 +341,7 @@ def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = ()) -
             cells.append("-" if v is None else f"{100 * v:.1f}" if key == "accuracy" else
                          f"{v:.2f}" if isinstance(v, float) else str(v))
         table.add_row(*cells)
-    Console(markup=False).print(table)  # run labels print as they are, brackets included
+    print_fitted(table, where, Console(markup=False))  # run labels print as they are, brackets included
 
 
 def _with_batch(rows: list[dict[str, Any]], extra: list[str]) -> list[str]:

@@ -49,7 +49,7 @@ def _all_records(out: Path) -> list[dict[str, Any]]:
     files = [out / "samples.jsonl", *sorted((out / "shards").glob("*/samples.jsonl"))]
     for path in files:
         for rec in load_records(path):
-            key = tuple(rec[f] for f in KEY)
+            key = (*(rec[f] for f in KEY), rec.get("seed"))  # a run repeated over seeds: one record per seed
             if key not in seen:
                 seen.add(key)
                 records.append(rec)

@@ -307,7 +307,8 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--svg", help="the animated SVG to write (default: --out with the suffix .svg)")
     p.add_argument("--svg-width", type=int, default=56, metavar="CHARS", help="characters per SVG line (default 56)")
     p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
+    p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
+                   help="override every lane's decoder config, or with ROW: one lane's (e.g. refusion:scorer=mean_prob)")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")

@@ -24,6 +24,8 @@ class KVConcat(CacheManager):
 
 
 class KVRecompute(CacheManager):
+    exact = True  # the completed slots are fed once more with full context
+
     def merge_rows(self, backbone, rows, base_len, tokens, positions):
         if rows.n_rows() == 1:
             rows.crop(base_len + len(tokens[0]))
