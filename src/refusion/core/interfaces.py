@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, ClassVar
 
@@ -165,6 +166,57 @@ class Remasker(Part):
         synchronisation per call)."""
 
 
+@dataclass
+class Draft:
+    """What a :class:`Proposer` proposes after a sequence's verified prefix: ``tokens [n]`` long (0 <= n <= k,
+    on the device), ``n`` on the host, and ``probs [n, V]`` float32, the distribution each token was drawn
+    from (speculative sampling needs it; None for a deterministic proposer: a point mass on the token)."""
+
+    tokens: Tensor
+    n: int
+    probs: Tensor | None = None
+
+
+class Proposer(Part):
+    """Proposes the next k tokens of a sequence after its verified prefix (speculative decoding).
+
+    A proposer keeps whatever it needs per sequence in a state object (:meth:`start`): a draft model's own
+    KV cache, for example. :meth:`propose` sees the verified ``context`` (prompt + accepted output, host
+    ints) and returns a :class:`Draft`; after verification :meth:`accept` tells it the new context, so it can
+    crop what it cached beyond it. A proposer that runs a model of its own does so directly (its forwards are
+    not the target's and are not batched across sequences); it counts them in ``state.forwards``."""
+
+    kind = "proposer"
+
+    def bind(self, backbone: "Backbone") -> "Proposer":
+        """This proposer beside the target ``backbone`` (called once, when the decoder is built): load a draft
+        model on the target's device, check the vocabulary. Default: ``self``."""
+        return self
+
+    @abstractmethod
+    def start(self, prompt_ids: list[int]) -> "ProposerState":
+        """A new sequence's state."""
+
+    @abstractmethod
+    def propose(self, state: "ProposerState", context: list[int], k: int, temperature: float,
+                generator: torch.Generator | None) -> Draft:
+        """Up to ``k`` tokens after ``context``; with ``temperature > 0`` drawn from ``generator`` (on the
+        device), their distributions in ``Draft.probs``."""
+
+    def accept(self, state: "ProposerState", context: list[int], accepted: int) -> None:
+        """Verification ended: ``context`` is the new verified prefix, the one last proposed after followed
+        by the first ``accepted`` drafted tokens and one token of the target's. Default: nothing."""
+
+
+@dataclass
+class ProposerState:
+    """A sequence's proposer state: the proposer's own forwards (its model's calls) and whatever else a
+    proposer keeps (``data``)."""
+
+    forwards: int = 0
+    data: dict = field(default_factory=dict)
+
+
 class DecoderOptions(Options):
     """Options every decoder has."""
 
@@ -211,7 +263,7 @@ class Decoder(ABC):
         stats = DecodeStats(
             generated_tokens=len(out.token_ids), nfe=self.backbone.nfe - nfe0,
             tokens_in=self.backbone.tokens_in - tok0, wall_s=wall, iterations=len(out.trace),
-            tpf_reference_mean=out.tpf_reference_mean,
+            tpf_reference_mean=out.tpf_reference_mean, extra=out.extra,
         )
         return self._result(out, stats)
 
@@ -247,7 +299,7 @@ class Decoder(ABC):
                 generated_tokens=len(out.token_ids), nfe=int(out.nfe or 0), tokens_in=int(out.tokens_in or 0),
                 wall_s=(out.finished_at or end) - t0, iterations=len(out.trace),
                 tpf_reference_mean=out.tpf_reference_mean, batch_size=len(prompts), batch_wall_s=end - t0,
-                batch_nfe=self.backbone.nfe - nfe0, batch_tokens=batch_tokens,
+                batch_nfe=self.backbone.nfe - nfe0, batch_tokens=batch_tokens, extra=out.extra,
             )
             results.append(self._result(out, stats))
         return results
