@@ -237,3 +237,28 @@ def test_stats_report_the_speculative_counts(models):
     for key in ("verifications", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "draft_forwards"):
         assert key in d
     assert math.isclose(d["mean_accepted_length"], len(res.token_ids) / d["verifications"])
+
+
+def test_the_proposer_written_in_plugins_md_is_lossless_alone_and_batched(models):
+    """docs/plugins.md's "Writing a proposer" example, registered as a plugin, in at most 40 lines."""
+    import re
+    import types
+    from pathlib import Path
+
+    from refusion.core.registry import build_registry, make_plugin_manager, set_registry
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    source = re.search(r"```python\n(.*?)```", page.split("## Writing a proposer", 1)[1], re.S).group(1)
+    assert len(source.strip().splitlines()) <= 40
+    module = types.ModuleType("recent_lookup_example")
+    exec(compile(source, "plugins.md", "exec"), module.__dict__)
+    set_registry(build_registry(make_plugin_manager([module], autoload=False)))
+    prompts = repetitive_prompts([9, 14, 5], seed=11, alphabet=3)
+    ar = build_decoder(models["target"], {"decoder": "ar", "gen_length": 20})
+    dec = build_decoder(models["target"], {"decoder": "speculative", "gen_length": 20, "k": 5,
+                                           "proposer": {"name": "recent", "n": 1}})
+    expected = [ar.generate(p).token_ids for p in prompts]
+    alone = [dec.generate(p) for p in prompts]
+    assert [r.token_ids for r in alone] == expected
+    assert [r.token_ids for r in dec.generate_batch(prompts)] == expected
+    assert sum(r.stats.extra["accepted"] for r in alone) > 0  # its drafts were used

@@ -91,6 +91,7 @@ class SpeculativeDecoder(LoopDecoder):
             draft = (self.proposer.propose(state, context, n_max, opt.temperature, generator) if n_max > 0
                      else Draft(torch.empty(0, dtype=torch.long, device=bb.device), 0))
             n = draft.n
+            draft.tokens = draft.tokens.to(torch.long)  # [n] (an empty list from the host is float)
             ids = torch.cat([from_host(context[L - pending:], bb.device, torch.long), draft.tokens])  # [pending + n]
             pos = torch.arange(L - pending, L + n)  # [pending + n]
             logits = yield ForwardRequest(cache, ids, pos, logits_at=slice(pending - 1, None))  # [1, n + 1, V]
