@@ -20,12 +20,12 @@ import torch
 
 GRID = {
     "spec-ngram": [{"proposer": {"name": "ngram", "max_matching_ngram_size": n}, "k": k}
-                   for n in (1, 2, 3) for k in (2, 4, 8)]
-                  + [{"proposer": {"name": "ngram", "max_matching_ngram_size": 2}, "k": 4, "schedule": "heuristic"}],
-    "spec-draft": [{"proposer": {"name": "model", "model": "tiny-ar-draft"}, "k": k} for k in (2, 3, 4, 6, 8)]
+                   for n, k in ((1, 4), (2, 4), (3, 4), (3, 8))]
+                  + [{"proposer": {"name": "ngram", "max_matching_ngram_size": 3}, "k": 4, "schedule": "heuristic"}],
+    "spec-draft": [{"proposer": {"name": "model", "model": "tiny-ar-draft"}, "k": k} for k in (3, 5, 8)]
                   + [{"proposer": {"name": "model", "model": "tiny-ar-draft"}, "k": 4, "schedule": "heuristic"}],
     "spec-diffusion": [{"proposer": {"name": "diffusion", "model": m}, "k": k}
-                       for m in ("tiny-block", "tiny-mdm") for k in (4, 8, 16)],
+                       for m, k in (("tiny-block", 4), ("tiny-block", 8), ("tiny-block", 16), ("tiny-mdm", 8))],
 }
 
 

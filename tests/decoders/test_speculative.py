@@ -262,3 +262,22 @@ def test_the_proposer_written_in_plugins_md_is_lossless_alone_and_batched(models
     assert [r.token_ids for r in alone] == expected
     assert [r.token_ids for r in dec.generate_batch(prompts)] == expected
     assert sum(r.stats.extra["accepted"] for r in alone) > 0  # its drafts were used
+
+
+@pytest.mark.parametrize("proposer,draft", [("other", "other"), ("diffusion", "mdm")])
+def test_a_batch_shares_the_drafters_forwards_too(models, proposer, draft):
+    """In a batch the drafter's forwards of every sequence run in shared model calls over the drafter's own
+    ragged cache (fewer drafter calls than alone), each sequence's nfe counts the target's forwards only,
+    and the outputs are AR's."""
+    prompts = repetitive_prompts([4, 11, 7, 2], seed=6)
+    dec = speculative(models, proposer, gen_length=14, k=3)
+    drafter = models[draft]
+    n0 = drafter.nfe
+    alone = [dec.generate(p) for p in prompts]
+    alone_calls = drafter.nfe - n0
+    n0 = drafter.nfe
+    batch = dec.generate_batch(prompts)
+    assert drafter.nfe - n0 < alone_calls == sum(r.stats.extra["draft_forwards"] for r in alone)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert [r.stats.nfe for r in batch] == [r.stats.nfe for r in alone]
+    assert [r.stats.extra["draft_forwards"] for r in batch] == [r.stats.extra["draft_forwards"] for r in alone]

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -180,11 +180,17 @@ class Draft:
 class Proposer(Part):
     """Proposes the next k tokens of a sequence after its verified prefix (speculative decoding).
 
-    A proposer keeps whatever it needs per sequence in a state object (:meth:`start`): a draft model's own
-    KV cache, for example. :meth:`propose` sees the verified ``context`` (prompt + accepted output, host
-    ints) and returns a :class:`Draft`; after verification :meth:`accept` tells it the new context, so it can
-    crop what it cached beyond it. A proposer that runs a model of its own does so directly (its forwards are
-    not the target's and are not batched across sequences); it counts them in ``state.forwards``."""
+    A proposer keeps whatever it needs per sequence in a state object (:meth:`start`): a draft model's KV
+    cache, for example. :meth:`propose` sees the verified ``context`` (prompt + accepted output, host ints)
+    and returns a :class:`Draft`; after verification :meth:`accept` tells it the new context, so it can crop
+    what it cached beyond it.
+
+    A proposer that runs a model of its own writes :meth:`propose` as a generator over the loop protocol
+    (:mod:`refusion.core.loop`): it yields a :class:`~refusion.core.loop.ForwardRequest` on its own cache
+    (``state.cache``) per forward, receives the logits, and returns the Draft. The decoder runs those
+    requests on the sequence's own cache of the drafter alone, and in a batch passes them on, so the
+    drafter's forwards of every sequence share one model call over a second ragged cache, the drafter's
+    (:meth:`new_batch_cache`). It counts its forwards in ``state.forwards``."""
 
     kind = "proposer"
 
@@ -193,19 +199,26 @@ class Proposer(Part):
         model on the target's device, check the vocabulary. Default: ``self``."""
         return self
 
-    @abstractmethod
-    def start(self, prompt_ids: list[int]) -> "ProposerState":
-        """A new sequence's state."""
+    def start(self, prompt_ids: list[int], cache: "KVCache | None" = None) -> "ProposerState":
+        """A new sequence's state; ``cache``: its rows of the drafter's batch cache (given only to a proposer
+        whose :meth:`new_batch_cache` makes one, in a batch). Default: an empty state."""
+        return ProposerState(cache=cache)
 
     @abstractmethod
     def propose(self, state: "ProposerState", context: list[int], k: int, temperature: float,
-                generator: torch.Generator | None) -> Draft:
+                generator: torch.Generator | None) -> "Draft | Generator":
         """Up to ``k`` tokens after ``context``; with ``temperature > 0`` drawn from ``generator`` (on the
-        device), their distributions in ``Draft.probs``."""
+        device), their distributions in ``Draft.probs``. A Draft, or a generator of forward requests that
+        returns one."""
 
     def accept(self, state: "ProposerState", context: list[int], accepted: int) -> None:
         """Verification ended: ``context`` is the new verified prefix, the one last proposed after followed
         by the first ``accepted`` drafted tokens and one token of the target's. Default: nothing."""
+
+    def new_batch_cache(self):
+        """The drafter model's shared cache for a batch (a :class:`~refusion.core.loop.BatchCache`), or None
+        for a proposer without a model (the default)."""
+        return None
 
 
 @dataclass
@@ -214,6 +227,7 @@ class ProposerState:
     proposer keeps (``data``)."""
 
     forwards: int = 0
+    cache: "KVCache | None" = None  # the drafter's cache of this sequence (a proposer with a model)
     data: dict = field(default_factory=dict)
 
 

@@ -29,8 +29,10 @@ otherwise, at least 1). Drafts never exceed the tokens left to generate minus on
 Batched: the one loop per sequence runs under :func:`~refusion.core.loop.run_loops`; the target's
 verify forwards of every sequence share one model call over a
 :class:`~refusion.models.kvcache.RaggedCache` (rows of different lengths and different n). A proposer
-that runs a model (``model``, ``diffusion``) keeps its own cache per sequence and runs its forwards
-directly, one sequence at a time: the drafter's forwards are not shared across a batch yet.
+with a model (``model``, ``diffusion``) yields its forwards as requests of its own group on its rows of a
+second RaggedCache, the drafter's (:class:`PairedCache` routes each model call to the cache its requests
+belong to), so the drafter's forwards of every sequence waiting on one share a model call too. Alone,
+those requests run on the sequence's own cache of the drafter.
 
 Stats (``DecodeStats.extra``): ``verifications`` (target forwards), ``drafted`` and ``accepted`` draft
 tokens, ``acceptance_rate`` (accepted / drafted), ``mean_accepted_length`` (tokens committed per
@@ -39,6 +41,7 @@ verification, the target's own token included), ``draft_forwards`` (the proposer
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal
 
 import torch
@@ -48,10 +51,48 @@ from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions, Draft
-from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read, run_loops
 from refusion.core.probs import row_argmax
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import LoopDecoder, cut_after_eos
+from refusion.models.kvcache import RaggedCache
+
+
+def run_proposer(steps, yielded: bool) -> LoopSteps:
+    """Run a proposer's generator of forward requests: passed on to the loop's driver when ``yielded`` (its
+    cache is part of the batch's), else each run here on the proposer's own cache. -> its Draft."""
+    reply = None
+    while True:
+        try:
+            request = steps.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        reply = (yield request) if yielded else request.cache.forward(request)
+
+
+class PairedCache:
+    """The batch cache (:class:`~refusion.core.loop.BatchCache`) of a speculative batch: the target's
+    :class:`~refusion.models.kvcache.RaggedCache` and the drafter's (or None). New views are the target's;
+    a model call runs on the cache its requests' views belong to (the drafter's requests have their own
+    ``group``, so a call never mixes the two)."""
+
+    def __init__(self, target: RaggedCache, drafter: RaggedCache | None) -> None:
+        self.target, self.drafter = target, drafter
+
+    def new_view(self):
+        return self.target.new_view()
+
+    def forward(self, requests):
+        owner = requests[0].cache.owner
+        if any(r.cache.owner is not owner for r in requests):
+            raise ValueError("one model call of a speculative batch mixes the target's and the drafter's requests")
+        return owner.forward(requests)
+
+    def release(self, view) -> None:
+        view.owner.release(view)
+
+    def row_order(self, view) -> int:
+        return view.owner.row_order(view)
 
 
 class SpeculativeOptions(DecoderOptions):
@@ -74,12 +115,29 @@ class SpeculativeDecoder(LoopDecoder):
         super().__init__(backbone, options, parts)
         self.proposer = parts["proposer"] = parts["proposer"].bind(backbone)
 
-    def _loop(self, prompt_ids, generator, cache) -> LoopSteps:
+    def _decode_batch(self, prompts, generator, on_commit=None):
+        """The loops of :class:`LoopDecoder`, over a cache that holds the target's rows and, for a proposer
+        with a model, the drafter's (:class:`PairedCache`): the drafter's forwards are batched too."""
+        target = RaggedCache(self.backbone)
+        drafter = self.proposer.new_batch_cache()
+        shared = PairedCache(target, drafter)
+        loops = [self._loop(p, self.new_generator(), target.new_view(),
+                            draft_cache=drafter.new_view() if drafter is not None else None) for p in prompts]
+        outs = run_loops(loops, shared, on_commit=on_commit)
+        for out in outs:  # run_loops counted the drafter's forwards too: nfe is the target's
+            out.nfe = out.extra["verifications"]
+        return outs
+
+    def _loop(self, prompt_ids, generator, cache, draft_cache=None) -> LoopSteps:
+        """One sequence's decode on the target's ``cache``; ``draft_cache``: its rows of the drafter's batch
+        cache, whose requests are yielded (None: the proposer's requests run here, on its own cache)."""
         bb, opt = self.backbone, self.options
         P = len(prompt_ids)
         context = list(prompt_ids)  # the verified prefix (host ints)
         pending = P  # its last `pending` tokens are not in the target's cache yet
-        state = self.proposer.start(list(prompt_ids))
+        state = (self.proposer.start(list(prompt_ids)) if draft_cache is None
+                 else self.proposer.start(list(prompt_ids), draft_cache))
+        shared_drafter = draft_cache is not None
         k = opt.k
         out: list[int] = []
         trace: list[IterationTrace] = []
@@ -88,8 +146,11 @@ class SpeculativeDecoder(LoopDecoder):
             L, room = len(context), opt.gen_length - len(out)
             n_max = min(k, room - 1)
             forwards0 = state.forwards
-            draft = (self.proposer.propose(state, context, n_max, opt.temperature, generator) if n_max > 0
-                     else Draft(torch.empty(0, dtype=torch.long, device=bb.device), 0))
+            draft = Draft(torch.empty(0, dtype=torch.long, device=bb.device), 0)
+            if n_max > 0:
+                draft = self.proposer.propose(state, context, n_max, opt.temperature, generator)
+                if inspect.isgenerator(draft):  # a proposer with a model: its forward requests
+                    draft = yield from run_proposer(draft, shared_drafter)
             n = draft.n
             draft.tokens = draft.tokens.to(torch.long)  # [n] (an empty list from the host is float)
             ids = torch.cat([from_host(context[L - pending:], bb.device, torch.long), draft.tokens])  # [pending + n]

@@ -27,10 +27,11 @@ from pydantic import Field
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import Draft, Options, Proposer, ProposerState
-from refusion.core.loop import ForwardRequest, Attention
+from refusion.core.loop import Attention, ForwardRequest
 from refusion.core.probs import row_argmax
 
 LAST = slice(-1, None)
+DRAFT = "draft"  # the request group of a drafter's forwards: never in one model call with the target's
 
 
 def lookup(context: list[int], k: int, max_ngram: int, eos_ids: set[int]) -> list[int]:
@@ -64,7 +65,7 @@ class NgramProposer(Proposer):
         bound.eos_ids, bound.device = set(backbone.eos_ids), backbone.device
         return bound
 
-    def start(self, prompt_ids):
+    def start(self, prompt_ids, cache=None):
         return ProposerState()
 
     def propose(self, state, context, k, temperature, generator):
@@ -95,14 +96,22 @@ class _DraftModelProposer(Proposer):
     def bind(self, backbone):
         bound = self if self.draft is not None else self.with_backbone(
             _load(self.options.model, str(backbone.device), backbone.model.dtype))
+        if isinstance(self, DiffusionProposer) and bound.draft.logits_shifted:
+            raise ValueError(f"proposer {self.options.model!r}: a drafter with shifted logits (Dream-style) is not "
+                             "supported yet")
         v_draft, v_target = bound.draft.model.config.vocab_size, backbone.model.config.vocab_size
         if v_draft != v_target:
             raise ValueError(f"proposer {self.options.model!r} has a vocabulary of {v_draft} tokens, the target "
                              f"{v_target}: a draft model must share the target's tokenizer")
         return bound
 
-    def start(self, prompt_ids):
-        return ProposerState(data={"cache": self.draft.new_cache()})
+    def start(self, prompt_ids, cache=None):
+        return ProposerState(cache=cache if cache is not None else self.draft.new_cache())
+
+    def new_batch_cache(self):
+        from refusion.models.kvcache import RaggedCache
+
+        return RaggedCache(self.draft)
 
     def _sample(self, logits, temperature, generator):
         """``logits [m, V]`` -> (tokens [m], their distributions [m, V] or None at temperature 0)."""
@@ -117,13 +126,13 @@ class ModelProposer(_DraftModelProposer):
         model: str = Field("tiny-ar-draft", description="the draft model: a shipped checkpoint name or a folder")
 
     def propose(self, state, context, k, temperature, generator):
-        cache = state.data["cache"]
+        cache = state.cache
         held = cache.length()  # the draft cache holds context[:held]
         ids = from_host(context[held:], self.draft.device, torch.long)  # [m]: the context's unseen tokens
         pos = torch.arange(held, len(context))
         tokens, probs = [], []
         for i in range(k):
-            logits = cache.forward(ForwardRequest(cache, ids, pos, logits_at=LAST))  # [1, 1, V]
+            logits = yield ForwardRequest(cache, ids, pos, logits_at=LAST, group=DRAFT)  # [1, 1, V]
             state.forwards += 1
             token, q = self._sample(logits[0], temperature, generator)  # [1], [1, V]
             tokens.append(token)
@@ -133,8 +142,7 @@ class ModelProposer(_DraftModelProposer):
         return Draft(torch.cat(tokens), k, None if temperature == 0 else torch.cat(probs))
 
     def accept(self, state, context, accepted):
-        cache = state.data["cache"]
-        cache.crop(min(cache.length(), len(context) - 1))  # context minus the target's token, at most
+        state.cache.crop(min(state.cache.length(), len(context) - 1))  # context minus the target's token, at most
 
 
 class DiffusionProposer(_DraftModelProposer):
@@ -143,24 +151,19 @@ class DiffusionProposer(_DraftModelProposer):
                            "(tiny-mdm, tiny-block)")
 
     def propose(self, state, context, k, temperature, generator):
-        cache = state.data["cache"]
+        cache = state.cache
         held = cache.length()
         m = len(context) - held  # context tokens the draft cache has not seen
         ids = torch.cat([from_host(context[held:], self.draft.device, torch.long),
                          torch.full((k,), self.draft.mask_id, dtype=torch.long, device=self.draft.device)])  # [m + k]
         pos = torch.arange(held, len(context) + k)
         segments = list(range(m)) + [m] * k  # context causal, the masks one segment after it
-        logits = cache.forward(ForwardRequest(cache, ids, pos, logits_at=slice(m, None),
-                                              attention=Attention.block_causal(segments)))  # [1, k, V]
+        logits = yield ForwardRequest(cache, ids, pos, logits_at=slice(m, None), group=DRAFT,
+                                      attention=Attention.block_causal(segments))  # [1, k, V]
         state.forwards += 1
         cache.crop(len(context))  # the masks' KV goes
-        if self.draft.logits_shifted:  # logits at i predict i + 1: the masks' predictions sit one column left
-            raise ValueError("a drafter with shifted logits (Dream-style) is not supported yet")
         tokens, q = self._sample(logits[0], temperature, generator)
         return Draft(tokens, k, q)
-
-    def accept(self, state, context, accepted):
-        pass  # the cache holds verified context only (cropped after each proposal)
 
 
 @hookimpl
