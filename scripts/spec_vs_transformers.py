@@ -4,8 +4,10 @@ checkpoints and prompts.
     python scripts/spec_vs_transformers.py --limit 50 --out runs/spec_vs_hf.json
 
 * ``ngram`` against ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)``;
-* ``model`` (``tiny-ar-draft``) against ``generate(assistant_model=..., num_assistant_tokens=k,
-  num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0)``.
+* ``model`` (``tiny-ar-draft``) against ``generate(assistant_model=...)`` with the assistant's generation
+  config set to ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and
+  ``assistant_confidence_threshold=0`` (transformers reads these from the assistant's config, not from
+  ``generate``'s arguments).
 
 Both greedy on ``tiny-ar`` (float32, one thread), ``max_new_tokens`` = the task's, the [MASK] token
 suppressed on both sides (our backbone never emits it). Per task and method: prompts whose tokens are
@@ -55,8 +57,10 @@ def main() -> None:
                 hf_kw = dict(prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)
             else:
                 cfg = {"proposer": {"name": "model", "model": args.draft}}
-                hf_kw = dict(assistant_model=draft.model, num_assistant_tokens=args.k,
-                             num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+                hf_kw = dict(assistant_model=draft.model)
+                gc = draft.model.generation_config  # transformers reads the assistant's settings from it
+                gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = args.k, "constant"
+                gc.assistant_confidence_threshold = 0.0
             dec = build_decoder(bb, {"decoder": "speculative", "gen_length": gen, "k": args.k, **cfg})
             same = same_nfe = 0
             ours_s = hf_s = 0.0

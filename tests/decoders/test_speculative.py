@@ -137,14 +137,26 @@ def test_ngram_matches_transformers_prompt_lookup_tokens_and_target_forwards(mod
 
 
 def test_model_proposer_matches_transformers_assisted_generation(models):
+    """transformers' generate(assistant_model=...) with a constant schedule of k drafts (set on the assistant's
+    generation config, where transformers reads them) and no confidence cut: the same tokens, the same number
+    of target forwards."""
     bb, draft = models["target"], models["other"]
-    for prompt in repetitive_prompts([5, 9, 14], seed=8):
-        ours = speculative(models, "other", gen_length=20, k=4).generate(prompt).token_ids
-        hf = bb.model.generate(torch.tensor([prompt]), assistant_model=draft.model, max_new_tokens=20, do_sample=False,
-                               num_assistant_tokens=4, num_assistant_tokens_schedule="constant",
-                               assistant_confidence_threshold=0.0, suppress_tokens=[bb.mask_id],
-                               eos_token_id=bb.eos_id, pad_token_id=1)
-        assert ours == hf[0, len(prompt):].tolist()
+    config = draft.model.generation_config
+    saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold)
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = 4, "constant", 0.0
+    calls = {"n": 0}
+    h = bb.model.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    try:
+        for prompt in repetitive_prompts([5, 9, 14], seed=8):
+            ours = speculative(models, "other", gen_length=20, k=4).generate(prompt)
+            calls["n"] = 0
+            hf = bb.model.generate(torch.tensor([prompt]), assistant_model=draft.model, max_new_tokens=20,
+                                   do_sample=False, suppress_tokens=[bb.mask_id], eos_token_id=bb.eos_id, pad_token_id=1)
+            assert ours.token_ids == hf[0, len(prompt):].tolist()
+            assert ours.stats.nfe == calls["n"]
+    finally:
+        h.remove()
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = saved
 
 
 # ------------------------------------------------------------------------------------- sampling
