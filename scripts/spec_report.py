@@ -1,6 +1,6 @@
 """ReFusion against speculative decoding, from bench folders: per task and speculative row, whether every
 sample's tokens equal AR greedy's (lossless), the paired tokens/s ratio against ``ar`` and against
-``refusion`` with 95% paired-bootstrap intervals, and the paired accuracy difference against ``refusion``.
+``refusion`` with 95% paired-bootstrap intervals (units: samples at batch size 1, batch chunks above), and the paired accuracy difference against ``refusion``.
 
     refusion bench --decoders ar,refusion,spec-diffusion,spec-draft,spec-ngram --limit 50 --out runs/bench_spec
     python scripts/spec_report.py runs/bench_spec [runs/bench_spec_b16 ...]
@@ -28,6 +28,19 @@ def load(folder: Path) -> dict:
     return by
 
 
+def units(records: dict, keys: list[int]) -> tuple[list[float], list[float]]:
+    """(tokens, seconds) per unit of ``keys``' samples: each sample at batch size 1; each batch chunk above
+    (its samples' tokens over the chunk's wall time: aggregate throughput, as the bench reports it)."""
+    if records[keys[0]].get("batch_size", 1) == 1:
+        return [records[i]["generated_tokens"] for i in keys], [records[i]["wall_s"] for i in keys]
+    chunks: dict[int, list] = defaultdict(lambda: [0, 0.0])
+    for i in keys:
+        chunks[records[i]["batch"]][0] += records[i]["generated_tokens"]
+        chunks[records[i]["batch"]][1] = records[i]["batch_wall_s"]
+    order = sorted(chunks)
+    return [chunks[c][0] for c in order], [chunks[c][1] for c in order]
+
+
 def report(folder: Path) -> list[str]:
     by = load(folder)
     manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
@@ -43,12 +56,10 @@ def report(folder: Path) -> list[str]:
             sp = by.get((run, task), {})
             shared = sorted(set(sp) & set(ar))
             same = sum(sp[i]["token_ids"] == ar[i]["token_ids"] for i in shared)
-            vs_ar = throughput_ratio([ar[i]["generated_tokens"] for i in shared], [ar[i]["wall_s"] for i in shared],
-                                     [sp[i]["generated_tokens"] for i in shared], [sp[i]["wall_s"] for i in shared])
+            vs_ar = throughput_ratio(*units(ar, shared), *units(sp, shared))
             both = sorted(set(sp) & set(rf))
             if both:
-                rf_over = throughput_ratio([sp[i]["generated_tokens"] for i in both], [sp[i]["wall_s"] for i in both],
-                                           [rf[i]["generated_tokens"] for i in both], [rf[i]["wall_s"] for i in both])
+                rf_over = throughput_ratio(*units(sp, both), *units(rf, both))
                 acc = paired_accuracy([sp[i]["correct"] for i in both], [rf[i]["correct"] for i in both])
                 faster = ("ReFusion faster" if rf_over.low > 1 else "speculative faster" if rf_over.high < 1
                           else "inconclusive")
