@@ -293,3 +293,16 @@ def test_a_batch_shares_the_drafters_forwards_too(models, proposer, draft):
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
     assert [r.stats.nfe for r in batch] == [r.stats.nfe for r in alone]
     assert [r.stats.extra["draft_forwards"] for r in batch] == [r.stats.extra["draft_forwards"] for r in alone]
+
+
+def test_the_proposer_kind_is_registered_like_every_part_kind():
+    from refusion.core.config import PART_KINDS
+    from refusion.core.interfaces import Proposer
+    from refusion.core.registry import PluginError, get_registry, interface
+
+    reg = get_registry()
+    assert "proposer" in PART_KINDS and interface("proposer") is Proposer
+    assert reg.names("proposer") == ["diffusion", "model", "ngram"]
+    assert "speculative" in reg.names("decoder")
+    with pytest.raises(PluginError, match="must be a subclass of refusion.core.interfaces.Proposer"):
+        reg.add("proposer", "bad", dict, "test")
