@@ -246,9 +246,11 @@ def test_a_draft_model_with_another_vocabulary_is_refused(models, char_tokenizer
 def test_stats_report_the_speculative_counts(models):
     res = speculative(models, "other", gen_length=12, k=3).generate([4, 5, 6])
     d = res.stats.as_dict()
-    for key in ("verifications", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "draft_forwards"):
+    for key in ("verifications", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "draft_forwards",
+                "target_tokens_fed_per_token"):
         assert key in d
     assert math.isclose(d["mean_accepted_length"], len(res.token_ids) / d["verifications"])
+    assert math.isclose(d["target_tokens_fed_per_token"] * len(res.token_ids), res.stats.tokens_in)  # alone: no padding
 
 
 def test_the_proposer_written_in_plugins_md_is_lossless_alone_and_batched(models):

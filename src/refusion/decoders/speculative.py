@@ -36,7 +36,8 @@ those requests run on the sequence's own cache of the drafter.
 
 Stats (``DecodeStats.extra``): ``verifications`` (target forwards), ``drafted`` and ``accepted`` draft
 tokens, ``acceptance_rate`` (accepted / drafted), ``mean_accepted_length`` (tokens committed per
-verification, the target's own token included), ``draft_forwards`` (the proposer model's forward calls).
+verification, the target's own token included), ``draft_forwards`` (the proposer model's forward calls),
+``target_tokens_fed_per_token`` (tokens fed to the target per generated token, the prompt included).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class SpeculativeDecoder(LoopDecoder):
         k = opt.k
         out: list[int] = []
         trace: list[IterationTrace] = []
-        drafted = accepted_total = 0
+        drafted = accepted_total = fed = 0
         while True:
             L, room = len(context), opt.gen_length - len(out)
             n_max = min(k, room - 1)
@@ -156,6 +157,7 @@ class SpeculativeDecoder(LoopDecoder):
             ids = torch.cat([from_host(context[L - pending:], bb.device, torch.long), draft.tokens])  # [pending + n]
             pos = torch.arange(L - pending, L + n)  # [pending + n]
             logits = yield ForwardRequest(cache, ids, pos, logits_at=slice(pending - 1, None))  # [1, n + 1, V]
+            fed += pending + n
             if opt.temperature == 0:
                 a, new = yield from self._accept_greedy(logits[0], draft)
             else:
@@ -180,6 +182,7 @@ class SpeculativeDecoder(LoopDecoder):
             "acceptance_rate": accepted_total / drafted if drafted else 0.0,
             "mean_accepted_length": len(out) / verifications if verifications else 0.0,
             "draft_forwards": state.forwards,
+            "target_tokens_fed_per_token": fed / len(out) if out else 0.0,  # no padding (a batch pads rows)
         }
         return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))), extra=extra)
 
