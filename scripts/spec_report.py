@@ -1,6 +1,7 @@
 """ReFusion against speculative decoding, from bench folders: per task and speculative row, whether every
 sample's tokens equal AR greedy's (lossless), the paired tokens/s ratio against ``ar`` and against
-``refusion`` with 95% paired-bootstrap intervals (units: samples at batch size 1, batch chunks above), and the paired accuracy difference against ``refusion``.
+``refusion`` with 95% paired-bootstrap intervals (units: samples at batch size 1, batch chunks above), and
+the paired accuracy difference against ``refusion``.
 
     refusion bench --decoders ar,refusion,spec-diffusion,spec-draft,spec-ngram --limit 50 --out runs/bench_spec
     python scripts/spec_report.py runs/bench_spec [runs/bench_spec_b16 ...]
@@ -44,11 +45,13 @@ def units(records: dict, keys: list[int]) -> tuple[list[float], list[float]]:
 def report(folder: Path) -> list[str]:
     by = load(folder)
     manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
-    batch = manifest.get("inputs", {}).get("batch_size") or next(iter(next(iter(by.values())).values())).get("batch_size", 1)
+    first = next(iter(next(iter(by.values())).values()))
+    batch = manifest.get("inputs", {}).get("batch_size") or first.get("batch_size", 1)
     tasks = sorted({t for _, t in by}, key=lambda t: ("arith", "code", "facts").index(t.split("_")[0]) * 2 + ("_" in t))
     spec_runs = sorted({r for r, _ in by if r.startswith("spec-")})
     out = [f"{folder} (batch size {batch})", "",
-           "| task | run | identical to ar | tokens/s vs ar [95%] | refusion's tokens/s over it [95%] | acc vs refusion, points [95%] | verdict |",
+           "| task | run | identical to ar | tokens/s vs ar [95%] | refusion's tokens/s over it [95%] "
+           "| acc vs refusion, points [95%] | verdict |",
            "|---|---|---|---|---|---|---|"]
     for task in tasks:
         ar, rf = by.get(("ar", task), {}), by.get(("refusion", task), {})
@@ -66,11 +69,13 @@ def report(folder: Path) -> list[str]:
                 within = "within 2 points" if acc.difference.low > -0.02 else \
                     "ReFusion less accurate" if acc.difference.high < 0 else "accuracy inconclusive"
                 rf_cell = f"{rf_over.value:.2f}x [{rf_over.low:.2f}, {rf_over.high:.2f}]"
-                acc_cell = f"{100 * acc.difference.value:+.1f} [{100 * acc.difference.low:+.1f}, {100 * acc.difference.high:+.1f}]"
+                d = acc.difference
+                acc_cell = f"{100 * d.value:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
                 verdict = f"{faster}; {within}"
             else:
                 rf_cell = acc_cell = verdict = "-"
-            out.append(f"| {task} | {run} | {same}/{len(shared)} | {vs_ar.value:.2f}x [{vs_ar.low:.2f}, {vs_ar.high:.2f}] "
+            out.append(f"| {task} | {run} | {same}/{len(shared)} "
+                       f"| {vs_ar.value:.2f}x [{vs_ar.low:.2f}, {vs_ar.high:.2f}] "
                        f"| {rf_cell} | {acc_cell} | {verdict} |")
     return out
 

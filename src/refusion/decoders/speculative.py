@@ -201,8 +201,9 @@ class SpeculativeDecoder(LoopDecoder):
         n, dev = draft.n, logits.device
         p = torch.softmax(logits / self.options.temperature, dim=-1)  # [n+1, V] the target's distributions
         q = torch.zeros_like(p)  # [n+1, V] the proposer's; row n (the bonus position) stays 0
-        if n:
-            q[:n] = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).to(p.dtype)
+        if n:  # a deterministic proposer's distribution: a point mass on its token
+            q[:n] = draft.probs if draft.probs is not None else \
+                torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).to(p.dtype)
         rows = torch.arange(n, device=dev)
         p_d, q_d = p[rows, draft.tokens], q[rows, draft.tokens]  # [n] each
         u = torch.rand(n, generator=generator, device=generator.device).to(dev)  # [n]
