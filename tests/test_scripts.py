@@ -128,3 +128,14 @@ def test_thread_default_candidates_and_its_reading_of_a_bench_folder(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps([
         {"run": "ar", "task": "arith", "speedup_vs_ar": 1.0}, {"run": "refusion", "task": "arith", "speedup_vs_ar": 4.5}]))
     assert script["speedups"](tmp_path) == {"arith": 4.5}
+
+
+def test_spec_vs_transformers_finds_the_same_tokens_and_target_forwards(tmp_path):
+    """The external check of the speculative decoder on one facts prompt: prompt lookup and assisted
+    generation (tiny-ar with tiny-ar-draft) give our tokens in as many target forwards."""
+    out = tmp_path / "spec.json"
+    assert run_script("spec_vs_transformers.py", "--limit", "1", "--tasks", "facts", "--out", str(out)) == 0
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["ngram", "model"]
+    for r in rows:
+        assert r["identical"] == r["equal_target_forwards"] == r["n"] == 1 and r["differences"] == []

@@ -96,3 +96,17 @@ def test_stray_reads_are_caught(tiny_refusion):
         host.to_host(torch.ones(2))
         int(torch.tensor(3))
     assert len(stray.where) == 1 and "__int__" in stray.where[0]
+
+
+@pytest.mark.parametrize("row", ["spec-ngram", "spec-draft", "spec-diffusion"])
+def test_speculative_reads_the_host_once_per_verification(row):
+    """Speculative decoding: one host read per verification (the target's tokens and the drafts together)
+    + 1 per decode; the drafters keep their tokens on the device; alone and batched."""
+    bb = Backbone.from_pretrained("tiny-ar")
+    config = load_bench_config().decoder_config("arith", row, 48)
+    result, reads, tolist_calls, stray = decode_reading_host(bb, config, prompt(bb))
+    assert stray == [] and tolist_calls == reads
+    assert reads == 1 + result.stats.extra["verifications"] == 1 + len(result.trace)
+    prompts = [prompt(bb, task) for task in ("arith", "code", "facts")]
+    batch, reads, _, stray = decode_reading_host(bb, config, prompts)
+    assert stray == [] and reads <= 1 + sum(r.stats.extra["verifications"] for r in batch)

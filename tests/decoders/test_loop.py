@@ -21,6 +21,9 @@ SETTINGS = {
     "llada": ("bidirectional", [{"block_length": 4, "steps": 8}, {"block_length": 4, "kv_cache": "prefix"},
                                 {"block_length": 8, "kv_cache": "dual", "refresh_every": 2}]),
     "block": ("block_causal", [{}, {"pipeline": True, "pipeline_threshold": 0.25}, {"kv_cache": False}]),
+    "speculative": ("causal", [{"k": 3}, {"k": 2, "schedule": "heuristic", "proposer": {"name": "ngram",
+                                                                                      "max_matching_ngram_size": 1}},
+                               {"k": 3, "temperature": 1.0}]),
 }
 CASES = [(name, s) for name, (_, settings) in SETTINGS.items() for s in settings]
 

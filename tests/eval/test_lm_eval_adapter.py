@@ -238,3 +238,14 @@ def test_batched_stats_are_aggregate_throughput_and_bad_batch_sizes_name_the_fie
             RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=4, batch_size=bad)
     with pytest.raises(ConfigError, match="max_batch_size"):
         parse_batch_size("auto", max_batch_size=0)
+
+
+def test_the_speculative_decoder_generates_through_the_adapter_as_ar_does(models):
+    """lm-eval with ``decoder=speculative`` (prompt lookup, alone and batched) returns AR greedy's text."""
+    ar = RefusionLM(pretrained=models["causal"], decoder="ar", gen_length=16)
+    spec = RefusionLM(pretrained=models["causal"], decoder="speculative", gen_length=16, k=3)
+    batched = RefusionLM(pretrained=models["causal"], decoder="speculative", gen_length=16, k=3, batch_size=2)
+    requests = [gen("abcabc\n", until=[]), gen("xyz xyz\n", until=[])]
+    expected = ar.generate_until(requests)
+    assert spec.generate_until(requests) == expected == batched.generate_until(requests)
+    assert spec.records[-1]["verifications"] == spec.records[-1]["nfe"] and "acceptance_rate" in spec.records[-1]

@@ -172,6 +172,17 @@ def test_the_command_writes_the_page_and_the_svg(tmp_path, capsys):
     assert other.exists()
 
 
+def test_the_speculative_rows_are_traced_beside_ar(tmp_path, capsys):
+    out = tmp_path / "spec.html"
+    assert main(["trace", "--decoders", "ar,spec-ngram,spec-diffusion", "--task", "facts", "--out", str(out),
+                 "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    lanes = _script_data(out.read_text())["lanes"]
+    assert [d["label"] for d in lanes] == ["ar", "spec-ngram", "spec-diffusion"]
+    assert "spec-diffusion on tiny-ar:" in printed
+    ET.fromstring(out.with_suffix(".svg").read_text())
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--decoders", "nope"], "no model configured"),
     (["--idx", "-1"], "--idx"),

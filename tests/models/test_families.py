@@ -127,7 +127,7 @@ def test_registry_holds_the_reference_facts():
     assert FAMILIES["llada"].remote_code and FAMILIES["dream"].remote_code and not FAMILIES["refusion"].remote_code
     assert (FAMILIES["llada"].native, FAMILIES["dream"].native) == ("llama", "qwen2")
     assert not any(f.native for n, f in FAMILIES.items() if n not in ("llada", "dream"))
-    assert FAMILIES["qwen3"].decoders == ("ar",) and not FAMILIES["qwen3"].mask_required
+    assert FAMILIES["qwen3"].decoders == ("ar", "speculative") and not FAMILIES["qwen3"].mask_required
     assert {n: f.attention for n, f in FAMILIES.items() if n.startswith("tiny")} == {
         "tiny-causal": "causal", "tiny-mdm": "bidirectional", "tiny-block": "block_causal"}
     with pytest.raises(FamilyError, match="known: refusion, qwen3"):

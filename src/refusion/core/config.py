@@ -2,8 +2,8 @@
 
 A config is a flat mapping: ``decoder`` names a registered decoder, the other top-level keys are that
 decoder's options. Options whose field name is a part kind (``scorer``, ``drafter``, ``selector``,
-``verifier``, ``extender``, ``cache``, ``remasker``) name a registered part, either as a bare string or as a
-mapping with ``name`` plus that part's own options::
+``verifier``, ``extender``, ``cache``, ``remasker``, ``proposer``) name a registered part, either as a bare
+string or as a mapping with ``name`` plus that part's own options::
 
     decoder: refusion
     gen_length: 256

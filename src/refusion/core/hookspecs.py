@@ -64,5 +64,10 @@ def register_remaskers(register: Register) -> None:
 
 
 @hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers (subclasses of :class:`refusion.core.interfaces.Proposer`)."""
+
+
+@hookspec
 def register_objectives(register: Register) -> None:
     """Register training objectives (subclasses of :class:`refusion.core.objective.Objective`)."""

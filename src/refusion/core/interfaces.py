@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -169,6 +170,71 @@ class Remasker(Part):
         synchronisation per call)."""
 
 
+@dataclass
+class Draft:
+    """What a :class:`Proposer` proposes after a sequence's verified prefix: ``tokens [n]`` long (0 <= n <= k,
+    on the device), ``n`` on the host, and ``probs [n, V]`` float32, the distribution each token was drawn
+    from (speculative sampling needs it; None for a deterministic proposer: a point mass on the token)."""
+
+    tokens: Tensor
+    n: int
+    probs: Tensor | None = None
+
+
+class Proposer(Part):
+    """Proposes the next k tokens of a sequence after its verified prefix (speculative decoding).
+
+    A proposer keeps whatever it needs per sequence in a state object (:meth:`start`): a draft model's KV
+    cache, for example. :meth:`propose` sees the verified ``context`` (prompt + accepted output, host ints)
+    and returns a :class:`Draft`; after verification :meth:`accept` tells it the new context, so it can crop
+    what it cached beyond it.
+
+    A proposer that runs a model of its own writes :meth:`propose` as a generator over the loop protocol
+    (:mod:`refusion.core.loop`): it yields a :class:`~refusion.core.loop.ForwardRequest` on its own cache
+    (``state.cache``) per forward, receives the logits, and returns the Draft. The decoder runs those
+    requests on the sequence's own cache of the drafter alone, and in a batch passes them on, so the
+    drafter's forwards of every sequence share one model call over a second ragged cache, the drafter's
+    (:meth:`new_batch_cache`). It counts its forwards in ``state.forwards``."""
+
+    kind = "proposer"
+
+    def bind(self, backbone: "Backbone") -> "Proposer":
+        """This proposer beside the target ``backbone`` (called once, when the decoder is built): load a draft
+        model on the target's device, check the vocabulary. Default: ``self``."""
+        return self
+
+    def start(self, prompt_ids: list[int], cache: "KVCache | None" = None) -> "ProposerState":
+        """A new sequence's state; ``cache``: its rows of the drafter's batch cache (given only to a proposer
+        whose :meth:`new_batch_cache` makes one, in a batch). Default: an empty state."""
+        return ProposerState(cache=cache)
+
+    @abstractmethod
+    def propose(self, state: "ProposerState", context: list[int], k: int, temperature: float,
+                generator: torch.Generator | None) -> "Draft | Generator":
+        """Up to ``k`` tokens after ``context``; with ``temperature > 0`` drawn from ``generator`` (on the
+        device), their distributions in ``Draft.probs``. A Draft, or a generator of forward requests that
+        returns one."""
+
+    def accept(self, state: "ProposerState", context: list[int], accepted: int) -> None:
+        """Verification ended: ``context`` is the new verified prefix, the one last proposed after followed
+        by the first ``accepted`` drafted tokens and one token of the target's. Default: nothing."""
+
+    def new_batch_cache(self):
+        """The drafter model's shared cache for a batch (a :class:`~refusion.core.loop.BatchCache`), or None
+        for a proposer without a model (the default)."""
+        return None
+
+
+@dataclass
+class ProposerState:
+    """A sequence's proposer state: the proposer's own forwards (its model's calls) and whatever else a
+    proposer keeps (``data``)."""
+
+    forwards: int = 0
+    cache: "KVCache | None" = None  # the drafter's cache of this sequence (a proposer with a model)
+    data: dict = field(default_factory=dict)
+
+
 class DecoderOptions(Options):
     """Options every decoder has."""
 
@@ -215,7 +281,7 @@ class Decoder(ABC):
         stats = DecodeStats(
             generated_tokens=len(out.token_ids), nfe=self.backbone.nfe - nfe0,
             tokens_in=self.backbone.tokens_in - tok0, wall_s=wall, iterations=len(out.trace),
-            tpf_reference_mean=out.tpf_reference_mean,
+            tpf_reference_mean=out.tpf_reference_mean, extra=out.extra,
         )
         return self._result(out, stats)
 
@@ -251,7 +317,7 @@ class Decoder(ABC):
                 generated_tokens=len(out.token_ids), nfe=int(out.nfe or 0), tokens_in=int(out.tokens_in or 0),
                 wall_s=(out.finished_at or end) - t0, iterations=len(out.trace),
                 tpf_reference_mean=out.tpf_reference_mean, batch_size=len(prompts), batch_wall_s=end - t0,
-                batch_nfe=self.backbone.nfe - nfe0, batch_tokens=batch_tokens,
+                batch_nfe=self.backbone.nfe - nfe0, batch_tokens=batch_tokens, extra=out.extra,
             )
             results.append(self._result(out, stats))
         return results

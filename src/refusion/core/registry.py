@@ -31,6 +31,7 @@ KINDS: dict[str, str] = {
     "extender": "register_extenders",
     "cache": "register_caches",
     "remasker": "register_remaskers",
+    "proposer": "register_proposers",
     "objective": "register_objectives",
 }
 
@@ -44,10 +45,12 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "refusion.plugins.caches",
     "refusion.plugins.remasking",
     "refusion.plugins.objectives",
+    "refusion.plugins.proposers",
     "refusion.decoders.refusion",
     "refusion.decoders.ar",
     "refusion.decoders.llada",
     "refusion.decoders.block",
+    "refusion.decoders.speculative",
 )
 
 AUTOLOAD_ENV = "REFUSION_DISABLE_PLUGIN_AUTOLOAD"
@@ -62,6 +65,7 @@ INTERFACES: dict[str, str] = {
     "extender": "refusion.core.interfaces:Extender",
     "cache": "refusion.core.interfaces:CacheManager",
     "remasker": "refusion.core.interfaces:Remasker",
+    "proposer": "refusion.core.interfaces:Proposer",
     "objective": "refusion.core.objective:Objective",
 }
 

@@ -350,7 +350,7 @@ class RefusionLM(LM):
                     text = cut_at_stop(text, until)
                     s = result.stats
                     self._record({"prompt_tokens": len(ids), "generated_tokens": s.generated_tokens, "nfe": s.nfe,
-                                  "wall_s": s.wall_s, "gen_length": gen_length, **batch})
+                                  "wall_s": s.wall_s, "gen_length": gen_length, **batch, **(s.extra or {})})
                     self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
                     out[j] = text
                 bar.update(len(chunk))

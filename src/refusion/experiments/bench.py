@@ -62,8 +62,16 @@ class BenchConfig(BaseModel):
 
     @property
     def decoder_rows(self) -> list[str]:
-        """The rows named after their decoder (one per decoder: what profile and batch-bench run by default)."""
-        return [row for row in self.models if row not in self.rows]
+        """One row per decoder (what profile and batch-bench run by default): the row named after it, else
+        (a decoder whose rows all have labels, such as speculative's spec-*) its first row."""
+        named = {row for row in self.models if row not in self.rows}
+        out, seen = [], set(named)
+        for row in self.models:
+            decoder = self.decoder_of(row)
+            if row in named or decoder not in seen:
+                out.append(row)
+                seen.add(decoder)
+        return out
 
     def decoder_of(self, row: str) -> str:
         return self.rows[row].decoder if row in self.rows else row

@@ -294,6 +294,8 @@ def evaluate(
                            "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
                            "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, **chunk, "completion": res.text,
                            "token_ids": res.token_ids}
+                    if res.stats.extra:  # a decoder's own counts (speculative: drafted, accepted, drafter forwards)
+                        rec.update(tokens_in=res.stats.tokens_in, **res.stats.extra)
                     writer.write(rec)
                     records.append(rec)
                     bar.update()

@@ -6,6 +6,7 @@ Presets (parameter counts with a vocabulary of ~1k tokens, embeddings tied):
 name       hidden  layers  heads  kv heads  head dim  ffn    ~params
 =========  ======  ======  =====  ========  ========  =====  ===========
 micro      64      2       2      1         32        128    0.2M (tests)
+draft      128     2       4      2         32        384    0.5M (tiny-ar-draft)
 tiny       256     4       4      2         64        768    3.3M
 small      384     6       6      2         64        1536   13M
 =========  ======  ======  =====  ========  ========  =====  ===========
@@ -40,6 +41,8 @@ ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 SIZES: dict[str, dict[str, int]] = {
     "micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=32, intermediate_size=128),
+    "draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, intermediate_size=384),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, intermediate_size=768),
     "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,

@@ -7,17 +7,17 @@ weights load as (LLaDA and Dream: natively, or their own code with ``trust_remot
 :func:`detect_family` reads it from ``config.json``; a family name given by the caller
 (``--family NAME``, ``family=``) overrides the detection.
 
-=============  ==============  ===========  =======  ======================  ================  ==================
-family         attention       mask id      shifted  EOS ids                 decoders          loads as
-=============  ==============  ===========  =======  ======================  ================  ==================
-refusion       causal          151670       no       config + 151643/151645  refusion, ar      Qwen3
-qwen3          causal          (optional)   no       config + 151643/151645  ar                Qwen3
-llada          bidirectional   126336       no       126081, 126348          llada             Llama (native)
-dream          bidirectional   151666       yes      151643, 151645          llada             Qwen2 (native)
-tiny-causal    causal          tokenizer    no       config                  refusion, ar      Qwen3
-tiny-mdm       bidirectional   tokenizer    no       config                  llada             Qwen3
-tiny-block     block_causal    tokenizer    no       config                  block             Qwen3
-=============  ==============  ===========  =======  ======================  ================  ==================
+=============  ==============  ===========  =======  ======================  ===========================  ==================
+family         attention       mask id      shifted  EOS ids                 decoders                     loads as
+=============  ==============  ===========  =======  ======================  ===========================  ==================
+refusion       causal          151670       no       config + 151643/151645  refusion, ar, speculative    Qwen3
+qwen3          causal          (optional)   no       config + 151643/151645  ar, speculative              Qwen3
+llada          bidirectional   126336       no       126081, 126348          llada                        Llama (native)
+dream          bidirectional   151666       yes      151643, 151645          llada                        Qwen2 (native)
+tiny-causal    causal          tokenizer    no       config                  refusion, ar, speculative    Qwen3
+tiny-mdm       bidirectional   tokenizer    no       config                  llada                        Qwen3
+tiny-block     block_causal    tokenizer    no       config                  block                        Qwen3
+=============  ==============  ===========  =======  ======================  ===========================  ==================
 
 Detection (first match wins): ``refusion_family`` in the config (a native LLaDA / Dream model in
 memory); ``refusion_attention`` (the tiny models of this project, by attention kind); ``model_type`` /
@@ -121,16 +121,16 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("refusion", "causal", ("refusion", "ar"), mask_id=REFUSION_MASK_ID, eos_ids=QWEN_EOS,
+    Family("refusion", "causal", ("refusion", "ar", "speculative"), mask_id=REFUSION_MASK_ID, eos_ids=QWEN_EOS,
            description="ReFusion: Qwen3 weights fine-tuned with [MASK] 151670"),
-    Family("qwen3", "causal", ("ar",), mask_required=False, eos_ids=QWEN_EOS,
+    Family("qwen3", "causal", ("ar", "speculative"), mask_required=False, eos_ids=QWEN_EOS,
            description="plain Qwen3 causal LM (autoregressive only)"),
     Family("llada", "bidirectional", ("llada",), mask_id=LLADA_MASK_ID, eos_ids=LLADA_EOS, remote_code=True,
            adapter="llada", native="llama", description="LLaDA-8B masked diffusion model (Llama weights, bidirectional)"),
     Family("dream", "bidirectional", ("llada",), mask_id=DREAM_MASK_ID, logits_shifted=True, eos_ids=QWEN_EOS,
            remote_code=True, adapter="dream", native="qwen2",
            description="Dream-7B masked diffusion model with shifted logits (Qwen2 weights, bidirectional)"),
-    Family("tiny-causal", "causal", ("refusion", "ar"), description="this project's causal tiny models"),
+    Family("tiny-causal", "causal", ("refusion", "ar", "speculative"), description="this project's causal tiny models"),
     Family("tiny-mdm", "bidirectional", ("llada",), description="this project's bidirectional tiny models"),
     Family("tiny-block", "block_causal", ("block",), description="this project's block-causal tiny models"),
 )}
