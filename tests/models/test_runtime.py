@@ -196,7 +196,7 @@ def test_bench_config_runtime_is_checked_and_flags_override_it(tmp_path, monkeyp
     path.write_text(yaml.safe_dump({"models": {"ar": "tiny-ar"}, "runtime": {"dtype": "bfloat16", "device": "cpu"}}))
     seen = {}
 
-    def fake_evaluate(runs, tasks, split, limit, out, resume=False, runtime=None, desc="", shard=None):
+    def fake_evaluate(runs, tasks, split, limit, out, resume=False, runtime=None, desc="", shard=None, **kw):
         seen["runtime"] = runtime
         raise StopIteration
 
@@ -221,7 +221,7 @@ def test_ablation_runtime_over_the_bench_config_under_the_flags(tmp_path, monkey
     cfg.write_text(yaml.safe_dump(spec))
     seen = {}
 
-    def fake_evaluate(runs, tasks, split, limit, out, resume=False, runtime=None, desc="", shard=None):
+    def fake_evaluate(runs, tasks, split, limit, out, resume=False, runtime=None, desc="", shard=None, **kw):
         seen["runtime"] = runtime
         raise StopIteration
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_CHECKS = ("ContractError", "CheckReport", "CONTRACTS", "check_scorer", "check_selector", "check_verifier",
+_CHECKS = ("ContractError", "CheckReport", "CHECKS", "CONTRACTS", "check_scorer", "check_selector", "check_verifier",
            "check_extender", "check_cache_manager", "check_remasker", "check_drafter", "check_decoder",
            "check_part", "decoder_invariants")
 
