@@ -5,7 +5,7 @@ Each version runs in its own worker process (``PYTHONPATH`` = its ``src``; one t
 CPU), which loads the models once. The parent sends the same decode jobs to both, one worker at a time,
 alternating which goes first, so both see the same machine state; each job decodes the first ``--limit``
 test prompts of a task in batches of the given size (``generate_batch``; ``generate`` at size 1) and
-reports its wall time, generated tokens and token ids. Per decoder, task and batch size: tokens/s of
+reports its wall time, generated tokens, token ids and the logits rows its forwards computed. Per decoder, task and batch size: tokens/s of
 each version (the median over rounds), the ratio new / old (geometric mean over rounds) with a 95%
 bootstrap interval over rounds, and the samples whose token ids differ::
 
@@ -42,13 +42,15 @@ for line in sys.stdin:
         prompts[key] = [encode_prompt(bb.tokenizer, ex.query) for ex in get_task(job["task"]).examples("test", job["limit"])]
     decoder = build_decoder(bb, job["config"])
     todo, b, ids = prompts[key], job["batch"], []
+    rows0 = bb.logits_rows
     t0 = time.perf_counter()
     for i in range(0, len(todo), b):
         chunk = todo[i : i + b]
         results = decoder.generate_batch(chunk) if b > 1 else [decoder.generate(chunk[0])]
         ids += [r.token_ids for r in results]
     wall = time.perf_counter() - t0
-    print(json.dumps({"wall": wall, "tokens": sum(len(t) for t in ids), "ids": ids}), flush=True)
+    print(json.dumps({"wall": wall, "tokens": sum(len(t) for t in ids), "ids": ids,
+                      "logits_rows": bb.logits_rows - rows0}), flush=True)
 """
 
 
@@ -94,18 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in bench_runs(bench, list(bench.models), tasks) if r.label in a.decoders.split(",")]
     workers = {"old": Worker(a.old), "new": Worker(a.new)}
     rows = []
-    print(f"{'decoder':10} {'task':6} {'batch':>5} {'old tok/s':>10} {'new tok/s':>10} {'new/old':>8} {'95% interval':>16} differ")
+    print(f"{'decoder':10} {'task':6} {'batch':>5} {'old tok/s':>10} {'new tok/s':>10} {'new/old':>8} {'95% interval':>16} differ  logits rows old/new")
     for task in tasks:  # every decoder and batch size on one task before the next task
         for run in runs:
             for b in [int(x) for x in a.batch_sizes.split(",")]:
                 job = {"model": run.model, "task": task, "limit": a.limit, "config": run.configs[task], "batch": b}
                 tps = {"old": [], "new": []}
-                ids = {}
+                ids, head_rows = {}, {}
                 for r in range(a.rounds + 1):  # round 0 warms up both workers
                     order = ["old", "new"] if r % 2 else ["new", "old"]
                     for name in order:
                         out = workers[name].run(job)
-                        ids[name] = out["ids"]
+                        ids[name], head_rows[name] = out["ids"], out["logits_rows"]
                         if r:
                             tps[name].append(out["tokens"] / out["wall"])
                 logs = [math.log(n / o) for n, o in zip(tps["new"], tps["old"])]
@@ -114,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                 differ = sum(x != y for x, y in zip(ids["old"], ids["new"]))
                 med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
                 rows.append({"decoder": run.label, "task": task, "batch": b, "old_tps": med["old"], "new_tps": med["new"],
-                             "ratio": ratio, "interval": [lo, hi], "differ": differ, "n": len(ids["new"])})
+                             "ratio": ratio, "interval": [lo, hi], "differ": differ, "n": len(ids["new"]),
+                             "logits_rows": head_rows})
                 print(f"{run.label:10} {task:6} {b:>5} {med['old']:>10.1f} {med['new']:>10.1f} {ratio:>8.3f} "
-                      f"{f'[{lo:.3f}, {hi:.3f}]':>16} {differ}/{len(ids['new'])}", flush=True)
+                      f"{f'[{lo:.3f}, {hi:.3f}]':>16} {differ}/{len(ids['new'])}  {head_rows['old']}/{head_rows['new']}", flush=True)
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))
     return 0
