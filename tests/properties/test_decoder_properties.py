@@ -31,7 +31,9 @@ def test_decoder_invariants(name):
     registry's parts and their options (refusion.testing.check_decoder): no [MASK] in the output; at most
     gen_length tokens; nothing after the first EOS, and an EOS forced at a generated position ends the output;
     every output position is committed once and restoring the buffer by position gives the output (a
-    slot past the output is committed only before an EOS or as padding past gen_length); NFE equals the forward calls counted by a hook on the model; the same seed decodes the same
+    slot past the output is committed only before an EOS or as padding past gen_length); nothing is
+    committed past the (padded) generation span, nor right of an EOS once that EOS is committed; NFE equals
+    the forward calls counted by a hook on the model; the same seed decodes the same
     (temperature 0 or sampled); the streamed commits are the output; each sequence of a batch decodes as
     alone."""
     assert check_decoder(name).ok
@@ -61,3 +63,32 @@ def test_kv_concat_equals_kv_recompute_with_one_slot_per_iteration(models, cfg, 
     a = build_decoder(bb, {**cfg, "cache": "kv_concat"}).generate(prompt)
     b = build_decoder(bb, {**cfg, "cache": "kv_recompute"}).generate(prompt)
     assert a.token_ids == b.token_ids and a.stats.nfe == b.stats.nfe
+
+
+def test_check_decoder_catches_a_decoder_that_decodes_past_a_committed_eos():
+    """A ReFusion loop that forgets to drop the pool slots after a committed EOS still returns the right text
+    (the output is cut at the EOS), but decodes and commits the slots past it: wasted forwards that the
+    decoder invariants' commit-order property catches (the shipped decoder commits a slot right of the EOS
+    only before the EOS is found, as the reference does)."""
+    import types
+
+    from refusion.core.hookspecs import hookimpl
+    from refusion.core.registry import build_registry, make_plugin_manager
+    from refusion.decoders.refusion import RefusionDecoder
+    from refusion.testing import ContractError
+
+    class PastEos(RefusionDecoder):
+        """Broken: keeps every pool slot after an EOS is committed, and decodes them."""
+
+        name = "past_eos"
+
+        @staticmethod
+        def _retire(st, done, eos_slot):
+            RefusionDecoder._retire(st, done, None)
+            st.stop = st.stop or eos_slot is not None
+
+    plugin = types.SimpleNamespace(register_decoders=hookimpl(lambda register: register("past_eos", PastEos)))
+    registry = build_registry(make_plugin_manager([plugin], autoload=False))
+    with pytest.raises(ContractError) as err:
+        check_decoder("past_eos", registry=registry)
+    assert "decoder past_eos" in str(err.value) and "(decoding past the EOS)" in str(err.value), str(err.value)
