@@ -1,28 +1,27 @@
 """Decoder invariants over a generated space of configurations, prompts and EOS placements."""
 
 import pytest
-from helpers import make_tiny_qwen3
 from hypothesis import given
 from hypothesis import strategies as st
 
 from refusion.core.config import build_decoder
 from refusion.core.registry import get_registry, set_registry
 from refusion.core.types import DecodeState, Slot
-from refusion.models.backend import Backbone
 from refusion.testing import check_decoder
 from refusion.testing.strategies import decoder_configs, prompts
 
 pytestmark = pytest.mark.property
 
-V = 50
 DECODERS = get_registry().names("decoder")
 set_registry(None)  # the suite's fixture builds a fresh registry per test
 
 
 @pytest.fixture(scope="module")
-def models(char_tokenizer):
-    return {kind: Backbone(make_tiny_qwen3(len(char_tokenizer), seed=3, attention=kind), char_tokenizer)
-            for kind in ("causal", "bidirectional", "block_causal")}
+def causal():
+    """The tiny causal model check_decoder decodes with (built once per process and shared)."""
+    from refusion.testing.checks import backbone
+
+    return backbone("causal")
 
 
 @pytest.mark.parametrize("name", DECODERS)
@@ -54,18 +53,18 @@ def test_restore_by_position_inverts_any_reordering(k, n, prompt_len, data):
 
 @given(cfg=decoder_configs("refusion", parts={"selector": ["threshold"], "cache": ["kv_concat"]}),
        prompt=prompts(max_size=6))
-def test_kv_concat_equals_kv_recompute_with_one_slot_per_iteration(models, cfg, prompt):
+def test_kv_concat_equals_kv_recompute_with_one_slot_per_iteration(causal, cfg, prompt):
     """When exactly one slot is committed per iteration (top-1 fallback with slot_threshold 1), each
     completed slot's KV already has full context, so kv_concat and kv_recompute decode identically
     (the configuration's other parts drawn from the registry)."""
-    bb = models["causal"]
+    bb = causal
     cfg = {**cfg, "selector": {"name": "threshold", "slot_threshold": 1.0}, "fused": False, "split_threshold": None}
     a = build_decoder(bb, {**cfg, "cache": "kv_concat"}).generate(prompt)
     b = build_decoder(bb, {**cfg, "cache": "kv_recompute"}).generate(prompt)
     assert a.token_ids == b.token_ids and a.stats.nfe == b.stats.nfe
 
 
-def test_the_decoder_invariants_catch_a_decoder_that_decodes_past_a_committed_eos(models):
+def test_the_decoder_invariants_catch_a_decoder_that_decodes_past_a_committed_eos(causal):
     """A ReFusion loop that forgets to drop the pool slots after a committed EOS still returns the right text
     (the output is cut at the EOS), but decodes and commits the slots past it: wasted forwards that the
     decoder invariants' commit-order property catches (the shipped decoder commits a slot right of the EOS
@@ -91,6 +90,6 @@ def test_the_decoder_invariants_catch_a_decoder_that_decodes_past_a_committed_eo
     plugin = types.SimpleNamespace(register_decoders=hookimpl(lambda register: register("past_eos", PastEos)))
     registry = build_registry(make_plugin_manager([plugin], autoload=False))
     cfg = {"gen_length": 8, "slot_size": 2, "selector": "left_to_right"}
-    decoder_invariants(models["causal"], {"decoder": "refusion", **cfg}, [5, 6], [7], eos_at=0, registry=registry)
+    decoder_invariants(causal, {"decoder": "refusion", **cfg}, [5, 6], [7], eos_at=0, registry=registry)
     with pytest.raises(AssertionError, match=r"position \d+ committed after an EOS was committed at 2 \(decoding past the EOS\)"):
-        decoder_invariants(models["causal"], {"decoder": "past_eos", **cfg}, [5, 6], [7], eos_at=0, registry=registry)
+        decoder_invariants(causal, {"decoder": "past_eos", **cfg}, [5, 6], [7], eos_at=0, registry=registry)
