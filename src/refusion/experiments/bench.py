@@ -316,7 +316,7 @@ def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | Non
     """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``); the joined records. This
     process checks the folder's manifest and writes it (:func:`~refusion.experiments.manifest.prepare_output`)."""
     from refusion.experiments.manifest import prepare_output, run_entries
-    from refusion.experiments.runner import check_runs
+    from refusion.experiments.runner import check_runs, wanted_records
     from refusion.experiments.sharding import join_records, run_shards, split_records
     from refusion.tasks import get_task
 
@@ -333,8 +333,7 @@ def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | Non
     task_order, run_order = {t: i for i, t in enumerate(tasks)}, {r.label: i for i, r in enumerate(runs)}
     records = join_records(out, lambda r: (task_order.get(r["task"], len(tasks)), r["idx"],
                                            run_order.get(r["run"], len(runs))))
-    wanted = {(r.label, t) for r in runs for t in tasks}
-    return [r for r in records if (r["run"], r["task"]) in wanted]
+    return wanted_records(records, runs, tasks)
 
 
 def add_bench_command(sub) -> None:
@@ -350,9 +349,7 @@ def add_bench_command(sub) -> None:
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")
     add_resume_args(p)
-    p.add_argument("--seeds", type=int, default=1, metavar="N",
-                   help="decode every sample with N seeds (each row's seed and the next N-1; they differ under "
-                        "sampling); statistics pool them, rows paired by sample and seed (default 1)")
+    add_seeds_arg(p)
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
                         "(default: the config's batch_size, else 1)")
@@ -375,6 +372,19 @@ def add_resume_args(p: argparse.ArgumentParser) -> None:
                         "changed runs anew")
 
 
+def add_seeds_arg(p: argparse.ArgumentParser, default: int | None = 1, default_help: str = "1") -> None:
+    """``--seeds N``, as every command that compares runs over the same samples has it (the repetitions:
+    :meth:`~refusion.experiments.runner.Run.seed_values`); ``default_help`` says what ``default`` means."""
+    p.add_argument("--seeds", type=int, default=default, metavar="N",
+                   help="decode every sample with N seeds (each run's seed and the next N-1; they differ under "
+                        f"sampling); statistics pool them, runs paired by sample and seed (default {default_help})")
+
+
+def seeds_note(seeds: int) -> str:
+    """What a table's title adds for runs repeated over ``seeds``."""
+    return f", {seeds} seeds pooled" if seeds > 1 else ""
+
+
 def cmd_bench(a) -> int:
     from refusion.experiments.sharding import parse_shard
 
@@ -395,7 +405,7 @@ def cmd_bench(a) -> int:
         r["speedup"] = r["speedup_vs_ar"]
     sizes = sorted({r.get("batch_size", 1) for r in rows})
     batch = f", batch size {', '.join(map(str, sizes))}" if sizes and sizes != [1] else ""
-    batch += f", {a.seeds} seeds pooled" if a.seeds > 1 else ""
+    batch += seeds_note(a.seeds)
     workers = f"{a.jobs} one-thread workers" if a.jobs > 1 else f"{threads} torch thread{'s' * (threads != 1)}"
     print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task{batch}, {workers})")
     lines = goal_lines(rows)
