@@ -292,10 +292,10 @@ def evaluate(
                            "decoder": run.decoder, "model": run.model,
                            "config_key": entries[run.label][task.name]["config_key"],
                            "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
-                           "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, **chunk, "completion": res.text,
-                           "token_ids": res.token_ids}
+                           "nfe": res.stats.nfe, "tokens_in": res.stats.tokens_in, "wall_s": res.stats.wall_s,
+                           **chunk, "completion": res.text, "token_ids": res.token_ids}
                     if res.stats.extra:  # a decoder's own counts (speculative: drafted, accepted, drafter forwards)
-                        rec.update(tokens_in=res.stats.tokens_in, **res.stats.extra)
+                        rec.update(**res.stats.extra)
                     writer.write(rec)
                     records.append(rec)
                     bar.update()
