@@ -36,12 +36,12 @@ def test_the_entry_of_the_largest_batch_size_not_above_the_batch_applies(backbon
 
 
 @pytest.mark.parametrize("schedule, field", [
-    ({0: {"slot_size": 8}}, "batch_schedule.0"),
+    ({0: {"slot_size": 8}}, "batch_schedule: entry 0: batch sizes are at least 1"),
     ({16: {"slot_size": 0}}, "batch_schedule.16: invalid refusion config: slot_size"),
     ({16: {"no_such_option": 1}}, "batch_schedule.16: invalid refusion config: no_such_option"),
     ({16: {"selector": {"slot_threshold": 2}}}, "batch_schedule.16: invalid refusion config: selector.slot_threshold"),
-    ({16: {"batch_schedule": {32: {}}}}, "batch_schedule.16"),
-    ({16: {"decoder": "ar"}}, "batch_schedule.16"),
+    ({16: {"batch_schedule": {32: {}}}}, "batch_schedule: entry 16: 'batch_schedule' cannot be scheduled"),
+    ({16: {"decoder": "ar"}}, "batch_schedule: entry 16: 'decoder' cannot be scheduled"),
     ({16: 3}, "batch_schedule.16"),
 ])
 def test_a_bad_schedule_is_refused_naming_the_field(schedule, field):

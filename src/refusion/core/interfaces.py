@@ -250,7 +250,7 @@ class DecoderOptions(Options):
     def _schedule_keys(cls, value: dict[int, dict[str, Any]] | None) -> dict[int, dict[str, Any]] | None:
         for n, entry in (value or {}).items():
             if n < 1:
-                raise ValueError(f"batch sizes are at least 1, got {n}")
+                raise ValueError(f"entry {n}: batch sizes are at least 1")
             if not isinstance(entry, dict):
                 raise ValueError(f"entry {n}: give a mapping of options, got {entry!r}")
             for key in ("decoder", "batch_schedule"):

@@ -370,10 +370,9 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
     for size in sizes:
         done.append(size)
         runs = batching_runs(base_runs, done)
-        evaluate(batching_runs(base_runs, [size]), tasks, split, limit, out,
-                           resume=resume or len(done) > 1, runtime=options, desc=f"batch-bench @{size}",
-                           time_forwards=time_forwards, rerun_changed=rerun_changed and len(done) == 1,
-                           inputs=inputs)
+        evaluate(batching_runs(base_runs, [size]), tasks, split, limit, out, resume=resume or len(done) > 1,
+                 runtime=options, desc=f"batch-bench @{size}", time_forwards=time_forwards,
+                 rerun_changed=rerun_changed, inputs=inputs)
         if size > 1 and stop_when_crossed and advantage_ended(batching_rows(load_records_of(out, runs), runs), size):
             break
     records = load_records_of(out, runs)
