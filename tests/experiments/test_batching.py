@@ -84,7 +84,7 @@ def test_differing_token_ids_are_counted_per_sample():
     assert four["differ_from_batch_1"] == 1 and one["differ_from_batch_1"] is None
     assert four["forward_share"] is None  # forwards not timed
     assert four["vs_batch_1"] == pytest.approx(4 / 3) and four["speedup_vs_ar"] == pytest.approx(1.0)
-    assert "| ar | t | 4 | 2 | 100.0 | 2.0 | 1.33x | 1.00x | 1.000 | 1.000 | 2.00 | - | 200.0 | - | 1 |" in \
+    assert "| ar | t | 4 | 2 | 100.0 | 2.0 | 1.33x | 1.00x | - | - | 1.000 | 1.000 | 2.00 | - | 200.0 | - | 1 |" in \
         markdown_table([one, four])
     assert four["fed_per_token"] is None  # records without tokens_in
 
@@ -107,6 +107,9 @@ def test_latency_percentiles_fed_tokens_and_the_crossover_from_records():
     (cross,) = crossover_rows(recs, runs)
     assert cross["decoder"] == "x" and cross["crossover"] == pytest.approx(2.0, rel=1e-6)
     assert cross["ratios"] == pytest.approx({"1": 4.0, "2": 1.0, "4": 0.25})
+    x4 = next(r for r in rows if r["run"] == "x@4")
+    assert x4["speedup_interval"] == pytest.approx([0.25, 0.25]) and x4["accuracy_diff_vs_ar"]["value"] == 0
+    assert ar1["speedup_interval"] is None and ar1["accuracy_diff_vs_ar"] is None
     assert advantage_ended(rows, 4) and not advantage_ended(rows, 1)
 
 

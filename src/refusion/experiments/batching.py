@@ -42,6 +42,7 @@ from refusion.core.threads import add_threads_arg, set_threads
 from refusion.experiments.bench import DEFAULT_CONFIG, add_resume_args, bench_runs, load_bench_config, with_models
 from refusion.experiments.crossover import aup, crossover_interval, percentile
 from refusion.experiments.records import load_records
+from refusion.experiments.stats import paired_accuracy, throughput_ratio
 from refusion.experiments.runner import (
     Run, check_batch_size, decode_share_s, evaluate, forward_share_s, summarize, write_json,
 )
@@ -56,6 +57,7 @@ DEFAULT_LIMIT = 64  # samples per task: one chunk of the largest default size
 COLUMNS = (
     ("decoder", "decoder"), ("task", "task"), ("batch_size", "batch"), ("n", "n"), ("accuracy", "acc %"),
     ("tokens_per_second", "tok/s"), ("vs_batch_1", "x batch 1"), ("speedup_vs_ar", "x ar"),
+    ("speedup_interval", "x ar [95%]"), ("accuracy_diff_vs_ar", "acc vs ar, points [95%]"),
     ("latency_s_p50", "p50 s"), ("latency_s_p95", "p95 s"), ("tpf", "TPF"), ("fed_per_token", "fed/token"),
     ("aup", "AUP"), ("forward_share", "fwd %"), ("differ_from_batch_1", "ids differ"),
 )
@@ -145,7 +147,10 @@ def batching_rows(records: list[dict[str, Any]], runs: list[Run]) -> list[dict[s
     (tokens fed in the sample's rows of its forwards, padding included, per generated token; None for
     records without ``tokens_in``), ``aup`` (AUP of the row's one (TPF, accuracy %) point, which is TPF x
     accuracy %), ``forward_share`` (None when forwards were not timed) and ``differ_from_batch_1`` (samples
-    whose token ids differ from the same decoder's batch-1 decode of that sample; None at batch size 1)."""
+    whose token ids differ from the same decoder's batch-1 decode of that sample; None at batch size 1),
+    and, paired sample by sample with ``ar`` at the same batch size (None for ``ar`` and without it),
+    ``accuracy_diff_vs_ar`` (the accuracy difference with its 95% paired-bootstrap interval and McNemar's
+    p) and ``speedup_interval`` (95% paired-bootstrap interval of ``speedup_vs_ar``)."""
     rows = summarize(records, runs)
     base = {r.label: r.label.rsplit("@", 1)[0] for r in runs}  # run label -> decoder label
     for r in rows:
@@ -173,6 +178,16 @@ def batching_rows(records: list[dict[str, Any]], runs: list[Run]) -> list[dict[s
         tokens = sum(x["generated_tokens"] for x in rs)
         r["fed_per_token"] = sum(fed) / tokens if tokens and None not in fed else None
         r["aup"] = aup([(r["tpf"], 100 * r["accuracy"])], 100.0) if r["tpf"] > 0 else None
+        r["accuracy_diff_vs_ar"] = r["speedup_interval"] = None
+        mates = {x["idx"]: x for x in groups.get((ar["run"], r["task"]), [])} if ar and ar is not r else {}
+        pairs = [(mates[x["idx"]], x) for x in rs if x["idx"] in mates]
+        if pairs:  # paired with ar at the same batch size, sample by sample
+            acc = paired_accuracy([a["correct"] for a, _ in pairs], [b["correct"] for _, b in pairs])
+            r["accuracy_diff_vs_ar"] = {"value": acc.difference.value, "low": acc.difference.low,
+                                        "high": acc.difference.high, "p_value": acc.p_value, "n": acc.n}
+            ratio = throughput_ratio([a["generated_tokens"] for a, _ in pairs], [decode_share_s(a) for a, _ in pairs],
+                                     [b["generated_tokens"] for _, b in pairs], [decode_share_s(b) for _, b in pairs])
+            r["speedup_interval"] = [ratio.low, ratio.high]
         if r["batch_size"] == 1:
             r["differ_from_batch_1"] = r["compared_with_batch_1"] = None
         else:
@@ -230,6 +245,10 @@ def _cell(key: str, value: Any) -> str:
         return f"{value:.2f}x"
     if key in ("latency_s_mean", "latency_s_p50", "latency_s_p95"):
         return f"{value:.3f}"
+    if key == "speedup_interval":
+        return f"[{value[0]:.2f}, {value[1]:.2f}]"
+    if key == "accuracy_diff_vs_ar":
+        return f"{100 * value['value']:+.1f} [{100 * value['low']:+.1f}, {100 * value['high']:+.1f}]"
     if key in ("tpf", "fed_per_token"):
         return f"{value:.2f}"
     return f"{value:.1f}" if isinstance(value, float) else str(value)
