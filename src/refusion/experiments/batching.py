@@ -288,7 +288,8 @@ def print_table(rows: list[dict[str, Any]], title: str, crossovers: list[dict[st
 
 def plot(rows: list[dict[str, Any]], out: Path, crossovers: list[dict[str, Any]] = ()) -> list[Path]:
     """Per task (a column of panels): aggregate tokens/s against batch size (top) and tokens/s over ``ar``'s
-    (bottom, with the line at 1 and each decoder's crossover marked with its interval), log-2 batch axis,
+    (bottom, with the line at 1 and each decoder's crossover marked there with its interval, or an arrow at
+    its last point when it is still ahead at the largest size), log-2 batch axis,
     one colour per decoder (legend below); writes throughput.png and throughput.svg."""
     import matplotlib
 
@@ -315,13 +316,16 @@ def plot(rows: list[dict[str, Any]], out: Path, crossovers: list[dict[str, Any]]
             rx = axes[1][col]
             rx.axhline(1.0, color="black", lw=0.8)
             for d in decoders:
-                line = sorted((r for r in rows if r["task"] == task and r["decoder"] == d
+                line = sorted((r for r in rows if r["task"] == task and r["decoder"] == d and r["decoder"] != "ar"
                                and r.get("speedup_vs_ar") is not None), key=lambda r: r["batch_size"])
+                if not line:
+                    continue
                 rx.plot([r["batch_size"] for r in line], [r["speedup_vs_ar"] for r in line], marker="o",
                         color=colors[d])
                 c = cross.get((d, task))
-                if c and c["crossover"] is None:  # still ahead at the largest size: an arrow there
-                    rx.plot([sizes[-1]], [1.0], marker=">", ms=9, color=colors[d], ls="none")
+                if c and c["crossover"] is None:  # still ahead at the largest size: an arrow at its last point
+                    rx.plot([line[-1]["batch_size"]], [line[-1]["speedup_vs_ar"]], marker=">", ms=11,
+                            color=colors[d], ls="none")
                 elif c:
                     lo = c["crossover_low"] if c["crossover_low"] is not None else sizes[0]
                     hi = c["crossover_high"] if c["crossover_high"] is not None else sizes[-1]
@@ -340,7 +344,7 @@ def plot(rows: list[dict[str, Any]], out: Path, crossovers: list[dict[str, Any]]
     labels = list(decoders)
     if with_ratio:
         handles.append(plt.Line2D([], [], marker="D", color="gray", ls="none"))
-        labels.append("crossover with ar [95%] (hollow: at or below batch 1; arrow: beyond the largest)")
+        labels.append("crossover with ar [95%] (hollow: at or below batch 1; arrow: beyond the largest size)")
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.suptitle("tinybench: decoding throughput vs batch size")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
@@ -391,7 +395,7 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
         runs = batching_runs(base_runs, done)
         evaluate(batching_runs(base_runs, [size]), tasks, split, limit, out, resume=resume or len(done) > 1,
                  runtime=options, desc=f"batch-bench @{size}", time_forwards=time_forwards,
-                 rerun_changed=rerun_changed, inputs=inputs)
+                 rerun_changed=rerun_changed, inputs=inputs, record_tokens_in=True)
         if size > 1 and stop_when_crossed and advantage_ended(batching_rows(load_records_of(out, runs), runs), size):
             break
     records = load_records_of(out, runs)

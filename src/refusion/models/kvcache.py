@@ -406,16 +406,20 @@ def _head_on_rows(model, row_of: Tensor):
     The forward is called with ``logits_to_keep`` = the column of each kept (row, column) pair, ``[N]``, so
     the hidden states reaching the head are ``[R, N, H]`` (every row at every kept column: a gather, no
     head compute); this pre-hook keeps entry k of row ``row_of[k]`` -> ``[1, N, H]``, so the head computes
-    N rows, not R x N (or R x the union of the columns). The logits come back ``[1, N, V]``."""
+    N rows, not R x N (or R x the union of the columns). The logits come back ``[1, N, V]``. Meanwhile
+    ``model.refusion_logits_rows`` holds ``row_of`` (a hook on the model's output reads which row each
+    logits entry belongs to there: :func:`refusion.testing.models.kept_rows`)."""
     def pre_hook(module, args):
         hidden = args[0]  # [R, N, H]
         return (hidden[row_of, torch.arange(hidden.shape[1], device=hidden.device)][None], *args[1:])
 
     handle = model.get_output_embeddings().register_forward_pre_hook(pre_hook)
+    model.refusion_logits_rows = row_of
     try:
         yield
     finally:
         handle.remove()
+        del model.refusion_logits_rows
 
 
 def _pad_right(t: Tensor, width: int, value: int) -> Tensor:
