@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -86,6 +87,7 @@ class _DraftModelProposer(Proposer):
     the two share a vocabulary."""
 
     draft = None  # the drafter's Backbone
+    draft_attention: ClassVar[str] = "causal"  # the attention of the draft model (refusion.testing's checks use it)
 
     def with_backbone(self, draft) -> "_DraftModelProposer":
         """This proposer with ``draft`` (a Backbone) as its model, instead of loading ``options.model``."""
@@ -146,6 +148,8 @@ class ModelProposer(_DraftModelProposer):
 
 
 class DiffusionProposer(_DraftModelProposer):
+    draft_attention = "bidirectional"
+
     class Options(Options):
         model: str = Field("tiny-block", description="a masked / block diffusion model with the target's tokenizer "
                            "(tiny-mdm, tiny-block)")
