@@ -48,8 +48,9 @@ def test_every_registered_part_keeps_its_kinds_contract(kind, name):
     remaskers keep 1..length, slot-order invariant; drafters give the drafted tokens' probabilities;
     proposers draft at most k vocabulary ids and after accept() draft what a fresh proposer drafts; acceptance
     rules accept 0..n drafts row by row, greedy AR's longest matching prefix, sampling within the residual."""
-    report = check_part(kind, name)
-    assert report.ok and report.passed == CONTRACTS[kind][: len(report.passed)]
+    report = check_part(kind, name)  # a check skips the properties that do not apply (exact caches, sampling rules)
+    assert report.ok and len(report.passed) >= 2
+    assert report.passed == [s for s in CONTRACTS[kind] if s in report.passed]
 
 
 # -- each check can fail: a deliberately broken part per kind ----------------------------------------------------
