@@ -262,6 +262,17 @@ def test_the_goodness_of_fit_test_fails_a_rule_that_forgets_the_uniform_draw(mod
     assert p < 1e-3
 
 
+@pytest.mark.parametrize("proposer,temperature", [("ngram1", 1e-30), ("other", 1e-30), ("diffusion", 1e-30),
+                                                  ("other", 1e-200)])
+def test_sampling_at_a_temperature_near_zero_is_greedy(models, proposer, temperature):
+    """softmax(logits / T) for T = 1e-30 (and 1e-200, 0 in float32) is the point mass on the argmax (not NaN):
+    rejection sampling and the drafters' draws give AR greedy's tokens."""
+    prompts = repetitive_prompts([5, 9], seed=3)
+    ar = build_decoder(models["target"], {"decoder": "ar", "gen_length": 12})
+    dec = speculative(models, proposer, gen_length=12, k=3, temperature=temperature)
+    assert [dec.generate(p).token_ids for p in prompts] == [ar.generate(p).token_ids for p in prompts]
+
+
 def test_a_sampled_batch_draws_what_each_sequence_draws_alone(models):
     prompts = repetitive_prompts([3, 8, 5], seed=2)
     dec = speculative(models, "other", gen_length=12, k=3, temperature=1.0, seed=4)

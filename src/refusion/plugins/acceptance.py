@@ -17,7 +17,7 @@ from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
 from refusion.core.interfaces import AcceptanceRule
-from refusion.core.probs import row_argmax
+from refusion.core.probs import row_argmax, tempered_softmax
 from refusion.core.types import Acceptance
 
 
@@ -41,7 +41,7 @@ class RejectionSampling(AcceptanceRule):
 
     def accept(self, logits, draft_tokens, draft_probs, temperature, generator=None):
         B, n, V = draft_tokens.shape[0], draft_tokens.shape[-1], logits.shape[-1]
-        p = torch.softmax(logits.float() / temperature, dim=-1)  # [B, n+1, V] the target's distributions
+        p = tempered_softmax(logits, temperature)  # [B, n+1, V] the target's distributions
         q = torch.zeros_like(p)  # [B, n+1, V] the proposer's; row n (the bonus position) stays 0
         if n:
             q[:, :n] = (draft_probs if draft_probs is not None

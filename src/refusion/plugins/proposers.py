@@ -29,7 +29,7 @@ from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import Draft, Options, Proposer, ProposerState
 from refusion.core.loop import Attention, ForwardRequest
-from refusion.core.probs import row_argmax
+from refusion.core.probs import row_argmax, tempered_softmax
 
 LAST = slice(-1, None)
 DRAFT = "draft"  # the request group of a drafter's forwards: never in one model call with the target's
@@ -119,7 +119,7 @@ class _DraftModelProposer(Proposer):
         """``logits [m, V]`` -> (tokens [m], their distributions [m, V] or None at temperature 0)."""
         if temperature == 0:
             return row_argmax(logits), None
-        q = torch.softmax(logits / temperature, dim=-1)
+        q = tempered_softmax(logits, temperature)
         return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 

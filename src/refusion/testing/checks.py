@@ -730,6 +730,8 @@ ACCEPT_SAMPLED = _contract("acceptance", "a sampling rule (sampling = True) acce
 def check_acceptance(cls_or_name, options=None, max_examples: int | None = None, *, registry=None,
                      raise_on_failure: bool = True) -> CheckReport:
     """Check a :class:`~refusion.core.interfaces.AcceptanceRule` (speculative decoding's verification rule)."""
+    from refusion.core.probs import tempered_softmax
+
     cls, name = _resolve("acceptance", cls_or_name, registry)
     opts = _options(cls, options)
     sampling = getattr(cls, "sampling", None)
@@ -784,7 +786,7 @@ def check_acceptance(cls_or_name, options=None, max_examples: int | None = None,
 
     def sampled(o, inputs, seed, own):
         logits, drafts, probs, T = inputs
-        p = torch.softmax(logits.float() / T, dim=-1)  # [B, n+1, V]
+        p = tempered_softmax(logits, T)  # [B, n+1, V]
         B, n, V = drafts.shape[0], drafts.shape[1], logits.shape[-1]
         if own:  # drafts drawn from the target's own distributions: every one passes
             probs = p[:, :n].clone()
