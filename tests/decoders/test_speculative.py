@@ -11,8 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refusion.core.config import ConfigError, build_decoder, validate_config
+from refusion.core.interfaces import AcceptanceRule
+from refusion.core.types import Acceptance
 from refusion.decoders.speculative import SpeculativeDecoder
 from refusion.models.backend import Backbone
+from refusion.plugins.acceptance import Greedy, RejectionSampling
 from refusion.plugins.proposers import DiffusionProposer, ModelProposer, NgramProposer, lookup
 
 
@@ -28,16 +31,19 @@ def models(char_tokenizer) -> dict[str, Backbone]:
     return {"target": target, "same": same, "other": other, "mdm": Backbone(mdm_model, char_tokenizer)}
 
 
-def speculative(models, proposer: str, gen_length: int = 16, **options) -> SpeculativeDecoder:
-    """A speculative decoder on the target; ``proposer``: ngram, ngram1 (1-grams), same, other, diffusion."""
+def speculative(models, proposer: str, gen_length: int = 16, acceptance=None, **options) -> SpeculativeDecoder:
+    """A speculative decoder on the target; ``proposer``: ngram, ngram1 (1-grams), same, other, diffusion;
+    ``acceptance``: an acceptance rule instance in place of the config's."""
     cfg = {"decoder": "speculative", "gen_length": gen_length, **options}
     if proposer.startswith("ngram"):
         cfg["proposer"] = {"name": "ngram", "max_matching_ngram_size": 1 if proposer == "ngram1" else 3}
-        return build_decoder(models["target"], cfg)
-    cls, draft = {"same": (ModelProposer, "same"), "other": (ModelProposer, "other"),
-                  "diffusion": (DiffusionProposer, "mdm")}[proposer]
     _, opts, parts = validate_config(cfg)
-    parts["proposer"] = cls().with_backbone(models[draft])
+    if not proposer.startswith("ngram"):
+        cls, draft = {"same": (ModelProposer, "same"), "other": (ModelProposer, "other"),
+                      "diffusion": (DiffusionProposer, "mdm")}[proposer]
+        parts["proposer"] = cls().with_backbone(models[draft])
+    if acceptance is not None:
+        parts["acceptance"] = acceptance
     return SpeculativeDecoder(models["target"], opts, parts)
 
 
@@ -185,12 +191,31 @@ def chi_square_p(counts: dict, expected: dict, n: int) -> float:
     return float(chi2.sf(stat, df))
 
 
-@pytest.mark.parametrize("proposer", ["other", "ngram1"])
-def test_speculative_sampling_follows_the_targets_distribution(models, proposer):
-    """The first two tokens of 1,500 sampled decodes (fixed seeds; a drafter that disagrees with the target
-    often, so rejections and residual draws happen) against the target's exact joint distribution at
-    temperature 1.5: Pearson's chi-square over the cells; fails by chance with probability 1e-3."""
-    bb, T, n = models["target"], 1.5, 1500
+class ForgetsTheUniformDraw(AcceptanceRule):
+    """A wrong rejection rule: accepts a draft exactly when p >= q (the uniform draw of min(1, p / q)
+    forgotten), then corrects from the residual as it should. It keeps the acceptance kind's contract
+    (refusion.testing.check_acceptance); only the distribution of its output is wrong."""
+
+    sampling = True
+
+    def accept(self, logits, draft_tokens, draft_probs, temperature, generator=None):
+        B, n, V = draft_tokens.shape[0], draft_tokens.shape[1], logits.shape[-1]
+        p = torch.softmax(logits.float() / temperature, dim=-1)  # [B, n+1, V]
+        q = torch.zeros_like(p)
+        if n:
+            q[:, :n] = draft_probs if draft_probs is not None else torch.nn.functional.one_hot(draft_tokens, V).float()
+        p_d, q_d = (t[:, :n].gather(-1, draft_tokens[..., None])[..., 0] for t in (p, q))  # [B, n]
+        residual = (p - q).clamp_min(0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+        drawn = torch.multinomial(residual.view(-1, V), 1, generator=generator).view(B, n + 1)
+        accepted = (q_d <= p_d).long().cumprod(-1).sum(-1)
+        return Acceptance(accepted, drawn.gather(-1, accepted[:, None])[:, 0])
+
+
+def first_two_tokens_fit(models, proposer: str, acceptance=None, n: int = 1500) -> tuple[float, int]:
+    """The first two tokens of ``n`` sampled decodes (seeds 0..n-1) against the target's exact joint distribution
+    at temperature 1.5: (Pearson's chi-square p-value, drafts rejected)."""
+    bb, T = models["target"], 1.5
     prompt = [4, 5, 4, 5, 4]
     p1 = target_distribution(bb, prompt, T)
     top = p1.argsort(descending=True)[:6].tolist()
@@ -206,12 +231,46 @@ def test_speculative_sampling_follows_the_targets_distribution(models, proposer)
     counts: dict = {}
     rejected = 0
     for seed in range(n):
-        res = speculative(models, proposer, gen_length=2, k=3, temperature=T, seed=seed).generate(prompt)
+        res = speculative(models, proposer, gen_length=2, k=3, temperature=T, seed=seed,
+                          acceptance=acceptance).generate(prompt)
         cell = tuple(res.token_ids) if tuple(res.token_ids) in expected else "rest"
         counts[cell] = counts.get(cell, 0) + 1
         rejected += res.stats.extra["drafted"] - res.stats.extra["accepted"]
+    return chi_square_p(counts, expected, n), rejected
+
+
+@pytest.mark.parametrize("proposer", ["other", "ngram1", pytest.param("diffusion", marks=pytest.mark.slow)])
+def test_speculative_sampling_follows_the_targets_distribution(models, proposer):
+    """The first two tokens of 1,500 sampled decodes (fixed seeds; a drafter that disagrees with the target
+    often, so rejections and residual draws happen: an unrelated AR draft model, 1-gram prompt lookup, and the
+    diffusion drafter, whose k drafts come from one forward) against the target's exact joint distribution
+    at temperature 1.5: Pearson's chi-square over the cells; fails by chance with probability 1e-3."""
+    p, rejected = first_two_tokens_fit(models, proposer)
     assert rejected > 50  # the rejection rule acted
-    assert chi_square_p(counts, expected, n) > 1e-3
+    assert p > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["other", "diffusion"])
+def test_the_goodness_of_fit_test_fails_a_rule_that_forgets_the_uniform_draw(models, proposer):
+    """The same test on a wrong rule (a draft accepted exactly when p >= q) rejects it: the fit test can fail,
+    though the wrong rule keeps the acceptance kind's contract."""
+    from refusion.testing import check_acceptance
+
+    assert check_acceptance(ForgetsTheUniformDraw, max_examples=10).ok
+    p, _ = first_two_tokens_fit(models, proposer, acceptance=ForgetsTheUniformDraw())
+    assert p < 1e-3
+
+
+@pytest.mark.parametrize("proposer,temperature", [("ngram1", 1e-30), ("other", 1e-30), ("diffusion", 1e-30),
+                                                  ("other", 1e-200)])
+def test_sampling_at_a_temperature_near_zero_is_greedy(models, proposer, temperature):
+    """softmax(logits / T) for T = 1e-30 (and 1e-200, 0 in float32) is the point mass on the argmax (not NaN):
+    rejection sampling and the drafters' draws give AR greedy's tokens."""
+    prompts = repetitive_prompts([5, 9], seed=3)
+    ar = build_decoder(models["target"], {"decoder": "ar", "gen_length": 12})
+    dec = speculative(models, proposer, gen_length=12, k=3, temperature=temperature)
+    assert [dec.generate(p).token_ids for p in prompts] == [ar.generate(p).token_ids for p in prompts]
 
 
 def test_a_sampled_batch_draws_what_each_sequence_draws_alone(models):
@@ -233,6 +292,37 @@ def test_the_proposer_is_a_part_chosen_in_config(models):
     with pytest.raises(ConfigError, match="proposer.max_matching_ngram_size"):
         build_decoder(models["target"], {"decoder": "speculative", "proposer": {"name": "ngram",
                                                                                  "max_matching_ngram_size": 0}})
+
+
+def test_the_acceptance_rule_is_a_part_chosen_in_config_and_follows_the_temperature(models):
+    bb = models["target"]
+    assert isinstance(build_decoder(bb, {"decoder": "speculative"}).acceptance, Greedy)
+    assert isinstance(build_decoder(bb, {"decoder": "speculative", "temperature": 0.8}).acceptance, RejectionSampling)
+    with pytest.raises(ConfigError, match=r"acceptance 'greedy' decodes at temperature 0, but temperature is 0\.8"):
+        build_decoder(bb, {"decoder": "speculative", "temperature": 0.8, "acceptance": "greedy"})
+    with pytest.raises(ConfigError, match=r"acceptance 'rejection_sampling' decodes at temperature > 0, but "
+                                          r"temperature is 0"):
+        build_decoder(bb, {"decoder": "speculative", "acceptance": "rejection_sampling"})
+    with pytest.raises(ConfigError, match="acceptance.*unknown acceptance 'gredy'.*did you mean 'greedy'"):
+        build_decoder(bb, {"decoder": "speculative", "acceptance": "gredy"})
+
+
+def test_a_third_party_acceptance_rule_is_registered_and_used(models):
+    import types
+
+    from refusion.core.hookspecs import hookimpl
+    from refusion.core.registry import build_registry, make_plugin_manager, set_registry
+
+    module = types.ModuleType("forgets_the_draw_plugin")
+    module.register_acceptance_rules = hookimpl(lambda register: register("forgets_the_draw", ForgetsTheUniformDraw))
+    set_registry(build_registry(make_plugin_manager([module], autoload=False)))
+    dec = build_decoder(models["target"], {"decoder": "speculative", "gen_length": 16, "temperature": 1.0, "k": 3,
+                                           "acceptance": "forgets_the_draw",
+                                           "proposer": {"name": "ngram", "max_matching_ngram_size": 1}})
+    assert isinstance(dec.acceptance, ForgetsTheUniformDraw)
+    prompt = repetitive_prompts([9], seed=1)[0]
+    by_hand = speculative(models, "ngram1", temperature=1.0, k=3, acceptance=ForgetsTheUniformDraw())
+    assert dec.generate(prompt).token_ids == by_hand.generate(prompt).token_ids
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(models, char_tokenizer):
@@ -297,7 +387,7 @@ def test_a_batch_shares_the_drafters_forwards_too(models, proposer, draft):
     assert [r.stats.extra["draft_forwards"] for r in batch] == [r.stats.extra["draft_forwards"] for r in alone]
 
 
-def test_the_proposer_kind_is_registered_like_every_part_kind():
+def test_the_proposer_and_acceptance_kinds_are_registered_like_every_part_kind():
     from refusion.core.config import PART_KINDS
     from refusion.core.interfaces import Proposer
     from refusion.core.registry import PluginError, get_registry, interface
@@ -305,6 +395,8 @@ def test_the_proposer_kind_is_registered_like_every_part_kind():
     reg = get_registry()
     assert "proposer" in PART_KINDS and interface("proposer") is Proposer
     assert reg.names("proposer") == ["diffusion", "model", "ngram"]
+    assert "acceptance" in PART_KINDS and interface("acceptance") is AcceptanceRule
+    assert reg.names("acceptance") == ["greedy", "rejection_sampling"]
     assert "speculative" in reg.names("decoder")
     with pytest.raises(PluginError, match="must be a subclass of refusion.core.interfaces.Proposer"):
         reg.add("proposer", "bad", dict, "test")

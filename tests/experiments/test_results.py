@@ -330,3 +330,28 @@ def test_the_page_goes_to_the_output_folder_unless_the_docs_are_asked_for(tmp_pa
         (tmp_path / "docs" / "results.md").read_text()
     assert main(run + ["--write-docs", "--doc", "x.md"]) == 2
     assert "--write-docs" in capsys.readouterr().err
+
+
+def test_refusion_against_speculative_decoding_is_judged_per_task_against_every_row():
+    """Faster than every spec-* row and at least as accurate: yes; slower than one: no; an accuracy gap the
+    samples cannot settle: inconclusive. Speed is judged at the accuracy ceiling too."""
+    spec = dict(decoder="speculative")
+    rows = [row("arith", "refusion", 1.0, tps=30), row("arith", "spec-diffusion", 1.0, tps=20, **spec),
+            row("arith", "spec-ngram", 1.0, tps=10, **spec),
+            row("code", "refusion", 0.9, tps=15), row("code", "spec-diffusion", 0.9, tps=20, **spec),
+            row("facts", "refusion", 0.8, tps=30, n=20), row("facts", "spec-diffusion", 0.9, tps=10, n=20, **spec)]
+    word, why = verdict(CLAIM["speculative"], rows)
+    assert word == "mixed"
+    assert why[0] == ("arith: yes (1.50x [1.50, 1.50] the tokens/s of spec-diffusion, accuracy +0.0 points "
+                      "[+0.0, +0.0] (faster, as accurate); 3.00x [3.00, 3.00] the tokens/s of spec-ngram, accuracy "
+                      "+0.0 points [+0.0, +0.0] (faster, as accurate))")
+    assert why[1].startswith("code: no (0.75x") and why[1].endswith("(slower, as accurate))")
+    assert why[2].startswith("facts: inconclusive, 3.00x") and why[2].endswith("(faster, accuracy inconclusive)")
+
+
+def test_versus_table_counts_token_identical_samples_and_gives_paired_verdicts():
+    rows = [row("arith", "refusion", 0.9, tps=30), row("arith", "spec-diffusion", 0.9, tps=20)]
+    records = [{"run": run, "task": "arith", "idx": i, "token_ids": [1, 3] if (run, i) == ("spec-diffusion", 1) else [1, 2]}
+               for run in ("ar", "spec-diffusion") for i in range(3)]
+    lines = results.versus_table(rows, records, "refusion", "spec-", "ar")
+    assert lines[2] == "| arith | spec-diffusion | 2/3 | 1.50x [1.50, 1.50] | faster | +0.0 [+0.0, +0.0] | as accurate |"

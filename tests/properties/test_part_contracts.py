@@ -12,13 +12,17 @@ import pytest
 import torch
 
 from refusion.core.hookspecs import hookimpl
-from refusion.core.interfaces import CacheManager, Drafter, Extender, Remasker, Scorer, Selector, Verifier
+from refusion.core.interfaces import (
+    AcceptanceRule, CacheManager, Draft, Drafter, Extender, Proposer, Remasker, Scorer, Selector, Verifier,
+)
 from refusion.core.registry import build_registry, get_registry, make_plugin_manager, set_registry
-from refusion.core.types import LoopOutput, Proposal, Verdict
+from refusion.core.types import Acceptance, LoopOutput, Proposal, Verdict
+from refusion.plugins.acceptance import RejectionSampling
 from refusion.plugins.caches import KVConcat
+from refusion.plugins.proposers import ModelProposer
 from refusion.testing import (
-    CHECKS, CONTRACTS, ContractError, check_cache_manager, check_decoder, check_drafter, check_extender, check_part,
-    check_remasker, check_scorer, check_selector, check_verifier,
+    CHECKS, CONTRACTS, ContractError, check_acceptance, check_cache_manager, check_decoder, check_drafter,
+    check_extender, check_part, check_proposer, check_remasker, check_scorer, check_selector, check_verifier,
 )
 
 pytestmark = pytest.mark.property
@@ -28,10 +32,11 @@ CHECKED = [e for e in PART_ENTRIES if e.kind in CHECKS]
 set_registry(None)  # the suite's fixture builds a fresh registry per test
 
 
-def test_the_part_kinds_without_a_contract_check_are_known():
-    """The proposer kind (speculative decoding) has no contract check yet: its parts are exercised only
-    inside the speculative decoder's tests. Any other kind without a check fails here."""
-    assert {e.kind for e in PART_ENTRIES if e.kind not in CHECKS} == {"proposer"}
+def test_every_part_kind_has_a_contract_check():
+    """Every registered part kind (speculative decoding's proposer and acceptance kinds included) has a check in
+    refusion.testing, so every part is held to its kind's contract below."""
+    assert {e.kind for e in PART_ENTRIES if e.kind not in CHECKS} == set()
+    assert {"proposer", "acceptance"} <= {e.kind for e in CHECKED}
 
 
 @pytest.mark.parametrize("kind,name", [(e.kind, e.name) for e in CHECKED], ids=[f"{e.kind}-{e.name}" for e in CHECKED])
@@ -40,9 +45,12 @@ def test_every_registered_part_keeps_its_kinds_contract(kind, name):
     choose at least one (token selectors only eligible positions); verifiers accept a prefix, monotone in
     probabilities and thresholds; extenders gain a token per open row, row-order invariant; cache managers
     exact for the prefix and first slot (every slot when declared exact, slots in any position order);
-    remaskers keep 1..length, slot-order invariant; drafters give the drafted tokens' probabilities."""
-    report = check_part(kind, name)
-    assert report.ok and report.passed == CONTRACTS[kind][: len(report.passed)]
+    remaskers keep 1..length, slot-order invariant; drafters give the drafted tokens' probabilities;
+    proposers draft at most k vocabulary ids and after accept() draft what a fresh proposer drafts; acceptance
+    rules accept 0..n drafts row by row, greedy AR's longest matching prefix, sampling within the residual."""
+    report = check_part(kind, name)  # a check skips the properties that do not apply (exact caches, sampling rules)
+    assert report.ok and len(report.passed) >= 2
+    assert report.passed == [s for s in CONTRACTS[kind] if s in report.passed]
 
 
 # -- each check can fail: a deliberately broken part per kind ----------------------------------------------------
@@ -108,6 +116,39 @@ class MaxProbDrafter(Drafter):
         return Proposal(token_ids=ids, probs=torch.ones(ids.shape), logits=logits)
 
 
+class OneTooMany(Proposer):
+    """Broken: proposes k + 1 tokens."""
+
+    def propose(self, state, context, k, temperature, generator):
+        return Draft(torch.full((k + 1,), 4), k + 1)
+
+
+class UncroppedDraftModel(ModelProposer):
+    """Broken: keeps the rejected drafts in its cache after verification."""
+
+    def accept(self, state, context, accepted):
+        pass
+
+
+class AcceptAll(AcceptanceRule):
+    """Broken: accepts every draft, then the target's argmax after them."""
+
+    def accept(self, logits, draft_tokens, draft_probs, temperature, generator=None):
+        accepted = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1])
+        return Acceptance(accepted, logits[:, -1].argmax(-1))
+
+
+class CorrectsFromTheTarget(RejectionSampling):
+    """Broken: after a rejection draws the next token from the target's p instead of the residual max(0, p - q)
+    (the rejected draft can come back)."""
+
+    def accept(self, logits, draft_tokens, draft_probs, temperature, generator=None):
+        out = super().accept(logits, draft_tokens, draft_probs, temperature, generator)
+        p = torch.softmax(logits.float() / temperature, dim=-1)  # [B, n+1, V]
+        at = p.gather(1, out.accepted[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V]
+        return Acceptance(out.accepted, torch.multinomial(at, 1, generator=generator)[:, 0])
+
+
 BROKEN = [
     (check_scorer, SlotOrderScorer, "reorder invariance: permuting the slots permutes the scores"),
     (check_scorer, PaddingScorer, "padding never changes a score"),
@@ -117,6 +158,10 @@ BROKEN = [
     (check_cache_manager, ClaimsExact, "logits after the merged cache differ from a fresh forward"),
     (check_remasker, ZeroRemasker, "outside 1..length"),
     (check_drafter, MaxProbDrafter, "are not the drafted tokens' probabilities"),
+    (check_proposer, OneTooMany, "expected n <= k tokens"),
+    (check_proposer, UncroppedDraftModel, "its cache is cropped right"),
+    (check_acceptance, AcceptAll, "AR greedy accepts"),
+    (check_acceptance, CorrectsFromTheTarget, "under the residual max(0, p - q)"),
 ]
 
 

@@ -2,8 +2,8 @@
 
 A config is a flat mapping: ``decoder`` names a registered decoder, the other top-level keys are that
 decoder's options. Options whose field name is a part kind (``scorer``, ``drafter``, ``selector``,
-``verifier``, ``extender``, ``cache``, ``remasker``, ``proposer``) name a registered part, either as a bare
-string or as a mapping with ``name`` plus that part's own options::
+``verifier``, ``extender``, ``cache``, ``remasker``, ``proposer``, ``acceptance``) name a registered part,
+either as a bare string or as a mapping with ``name`` plus that part's own options::
 
     decoder: refusion
     gen_length: 256
@@ -14,7 +14,8 @@ string or as a mapping with ``name`` plus that part's own options::
 
 Every level rejects unknown fields, and errors name the field (``selector.slot_threshold``). An extender
 is bound to the verifier beside it (:meth:`~refusion.core.interfaces.Extender.bind`): the default ``prefix``
-extender takes the verifier's ``token_threshold`` unless given its own.
+extender takes the verifier's ``token_threshold`` unless given its own. A decoder refuses combinations of
+options and parts it cannot run (:meth:`~refusion.core.interfaces.Decoder.check_parts`), naming the fields.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def validate_config(config: dict[str, Any], registry: Registry | None = None) ->
             parts["extender"] = parts["extender"].bind(parts["verifier"])
         except ValueError as e:
             raise ConfigError(f"extender: {e}") from None
+    try:
+        dec_cls.check_parts(options, parts)
+    except ValueError as e:
+        raise ConfigError(f"invalid {dec_cls.name} config: {e}") from None
     for n, entry in scheduled_configs(config, options).items():
         try:
             validate_config(entry, registry)

@@ -69,5 +69,10 @@ def register_proposers(register: Register) -> None:
 
 
 @hookspec
+def register_acceptance_rules(register: Register) -> None:
+    """Register speculative-decoding acceptance rules (subclasses of :class:`refusion.core.interfaces.AcceptanceRule`)."""
+
+
+@hookspec
 def register_objectives(register: Register) -> None:
     """Register training objectives (subclasses of :class:`refusion.core.objective.Objective`)."""

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from refusion.core.loop import Commit, KVCache, exhaust
-from refusion.core.types import DecodeResult, DecodeStats, LoopOutput, Proposal, Verdict
+from refusion.core.types import Acceptance, DecodeResult, DecodeStats, LoopOutput, Proposal, Verdict
 
 if TYPE_CHECKING:
     from refusion.models.backend import Backbone
@@ -225,6 +225,27 @@ class Proposer(Part):
         return None
 
 
+class AcceptanceRule(Part):
+    """Speculative decoding's verification rule: which of a sequence's drafts the target accepts, and the token
+    after them. A pure function of tensors (and, for a sampling rule, the generator's draws); the decoder
+    reads its result on the host. Named ``acceptance`` (the ``verifier`` kind is ReFusion's Stage II-a)."""
+
+    kind = "acceptance"
+    #: False: the rule decodes at temperature 0 only (greedy); True: at temperature > 0 only (sampling).
+    #: The speculative decoder refuses a config whose ``temperature`` the rule does not take.
+    sampling: ClassVar[bool] = False
+
+    @abstractmethod
+    def accept(self, logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None, temperature: float,
+               generator: torch.Generator | None = None) -> Acceptance:
+        """``logits [B, n+1, V]`` float: the target's logits, row i predicting the token after draft i (row 0:
+        after the verified context); ``draft_tokens [B, n]`` long; ``draft_probs [B, n, V]``: the distribution
+        each draft was drawn from (None: a point mass on the draft, a deterministic proposer); ``temperature``:
+        the decode's (the target's distribution is ``softmax(logits / temperature)``); ``generator`` on the
+        logits' device. -> :class:`~refusion.core.types.Acceptance`: per row the leading drafts accepted
+        (0..n) and the next token. Rows are independent; nothing is read on the host."""
+
+
 @dataclass
 class ProposerState:
     """A sequence's proposer state: the proposer's own forwards (its model's calls) and whatever else a
@@ -284,6 +305,11 @@ class Decoder(ABC):
         batch size <= n, else this one."""
         keys = [k for k in self.schedule if k <= n]
         return self.schedule[max(keys)] if keys else self
+
+    @classmethod
+    def check_parts(cls, options: DecoderOptions, parts: dict[str, Part]) -> None:
+        """Refuse a combination of options and parts this decoder cannot run: raise ValueError naming the
+        fields. Called when a config is validated, after the parts are built. Default: nothing."""
 
     #: True when :meth:`_decode_batch` decodes several prompts in shared forward calls; otherwise
     #: :meth:`generate_batch` decodes them one after another with :meth:`generate`

@@ -35,6 +35,16 @@ def row_argmax(logits: Tensor) -> Tensor:
     return start + logits.gather(-1, ids).argmax(-1)  # a clamped id repeats the last one, after it
 
 
+def tempered_softmax(logits: Tensor, temperature: float) -> Tensor:
+    """``softmax(logits / temperature)`` over the last dimension ``[..., V]``, float32, for any temperature > 0:
+    each row's maximum is subtracted before the division, so a temperature near 0 gives the point mass on
+    the row's maximum (shared by ties) where ``logits / temperature`` would overflow to NaN. A temperature
+    below float32's smallest normal number acts as that number (it would round to 0 in float32)."""
+    logits = logits.float()
+    temperature = max(float(temperature), torch.finfo(torch.float32).tiny)
+    return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
+
+
 def row_logsumexp(logits: Tensor) -> Tensor:
     """``logits [..., V]`` -> ``logsumexp`` over the vocabulary ``[...]``. On the CPU in chunks of rows, so the
     temporaries are small enough to be reused from the heap instead of freshly mapped (and page-faulted)

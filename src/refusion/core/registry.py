@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {
     "cache": "register_caches",
     "remasker": "register_remaskers",
     "proposer": "register_proposers",
+    "acceptance": "register_acceptance_rules",
     "objective": "register_objectives",
 }
 
@@ -46,6 +47,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "refusion.plugins.remasking",
     "refusion.plugins.objectives",
     "refusion.plugins.proposers",
+    "refusion.plugins.acceptance",
     "refusion.decoders.refusion",
     "refusion.decoders.ar",
     "refusion.decoders.llada",
@@ -66,6 +68,7 @@ INTERFACES: dict[str, str] = {
     "cache": "refusion.core.interfaces:CacheManager",
     "remasker": "refusion.core.interfaces:Remasker",
     "proposer": "refusion.core.interfaces:Proposer",
+    "acceptance": "refusion.core.interfaces:AcceptanceRule",
     "objective": "refusion.core.objective:Objective",
 }
 

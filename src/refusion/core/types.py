@@ -41,6 +41,14 @@ class Verdict:
 
 
 @dataclass
+class Acceptance:
+    """What a speculative-decoding acceptance rule decided for B sequences' drafts (on the device)."""
+
+    accepted: Tensor  # [B] long in 0..n: the leading drafts accepted
+    next_token: Tensor  # [B] long: the token after them (the correction, or the bonus token when all n pass)
+
+
+@dataclass
 class Slot:
     """A slot of consecutive generation positions ``start .. start+size-1`` (original positions)."""
 

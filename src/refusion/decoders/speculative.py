@@ -11,17 +11,19 @@ Per verification, for a sequence whose verified prefix is ``context`` (prompt + 
              cache does not hold (the prompt at the first verification, the last accepted token after);
              logits at the last pending token and at every draft, ``[n+1, V]``: row i predicts the token
              after d_i (row 0: after the context)
-    accept   temperature 0: the longest prefix of drafts equal to the target's argmax, then the target's
-             argmax after it (the correction, or the bonus token when all n pass): AR greedy's tokens.
-             temperature > 0: speculative sampling's rejection rule: d_i is accepted with probability
-             min(1, p_i(d_i) / q_i(d_i)) (p: the target's softmax(logits / T), q: the proposer's
-             distribution, a point mass for a deterministic proposer); at the first rejection the token is
-             drawn from norm(max(0, p_i - q_i)), after n acceptances the bonus token from p_n; the output
-             follows p exactly
+    accept   the acceptance rule (a registered part, :class:`~refusion.core.interfaces.AcceptanceRule`,
+             :mod:`refusion.plugins.acceptance`) gives the drafts accepted a and the token after them:
+             ``greedy`` at temperature 0 (the longest prefix equal to the target's argmax, then its argmax:
+             AR greedy's tokens), ``rejection_sampling`` at temperature > 0 (speculative sampling: the
+             output follows the target's softmax(logits / T) exactly); the default follows ``temperature``
     crop     the target's cache back to context + accepted drafts (the last new token is pending); the
              proposer crops its own (:meth:`~refusion.core.interfaces.Proposer.accept`)
 
-One host read per verification (the target's tokens or acceptance marks, the drafts) and one commit of
+The cache handling is not a part: the target's cache is cropped to the accepted prefix (in a causal model
+the verify forward's KV of the accepted drafts is the KV of those tokens after the context, nothing to
+recompute), and a drafter's cache is its proposer's own state, cropped in its ``accept``.
+
+One host read per verification (the accepted count, the next token, the drafts) and one commit of
 the new tokens. ``k`` is fixed (``schedule: constant``) or acceptance-driven (``schedule: heuristic``,
 transformers' rule for assistant models: k + 2 after a verification that accepts every draft, k - 1
 otherwise, at least 1). Drafts never exceed the tokens left to generate minus one (the target's own token).
@@ -46,14 +48,13 @@ import inspect
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions, Draft
 from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read, run_loops
-from refusion.core.probs import row_argmax
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import LoopDecoder, cut_after_eos
 from refusion.models.kvcache import RaggedCache
@@ -105,6 +106,14 @@ class SpeculativeOptions(DecoderOptions):
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; > 0: speculative sampling at this "
                                "temperature (lossless in distribution)")
     proposer: PartSpec = PartSpec(name="ngram")
+    acceptance: PartSpec = Field(PartSpec(name="greedy"), description="the verification rule: greedy (temperature 0) "
+                                 "or rejection_sampling (temperature > 0); unset: the one for the temperature")
+
+    @model_validator(mode="after")
+    def _acceptance_for_the_temperature(self) -> "SpeculativeOptions":
+        if "acceptance" not in self.model_fields_set and self.temperature > 0:
+            self.acceptance = PartSpec(name="rejection_sampling")
+        return self
 
 
 class SpeculativeDecoder(LoopDecoder):
@@ -115,6 +124,17 @@ class SpeculativeDecoder(LoopDecoder):
     def __init__(self, backbone, options, parts) -> None:
         super().__init__(backbone, options, parts)
         self.proposer = parts["proposer"] = parts["proposer"].bind(backbone)
+        self.acceptance = parts["acceptance"]
+
+    @classmethod
+    def check_parts(cls, options, parts) -> None:
+        rule = parts["acceptance"]
+        if rule.sampling != (options.temperature > 0):
+            needs = "temperature > 0" if rule.sampling else "temperature 0"
+            other = "greedy" if rule.sampling else "rejection_sampling"
+            raise ValueError(f"acceptance {options.acceptance.name!r} decodes at {needs}, but temperature is "
+                             f"{options.temperature:g}: set temperature, or acceptance (e.g. {other!r}), or leave "
+                             "acceptance unset to take the temperature's rule")
 
     def _decode_batch(self, prompts, generator, on_commit=None):
         """The loops of :class:`LoopDecoder`, over a cache that holds the target's rows and, for a proposer
@@ -158,11 +178,10 @@ class SpeculativeDecoder(LoopDecoder):
             pos = torch.arange(L - pending, L + n)  # [pending + n]
             logits = yield ForwardRequest(cache, ids, pos, logits_at=slice(pending - 1, None))  # [1, n + 1, V]
             fed += pending + n
-            if opt.temperature == 0:
-                a, new = yield from self._accept_greedy(logits[0], draft)
-            else:
-                a, new = yield from self._accept_sampled(logits[0], draft, generator)
-            new = cut_after_eos(new, bb.eos_ids)[:room]
+            verdict = self.acceptance.accept(logits, draft.tokens[None], None if draft.probs is None else
+                                             draft.probs[None], opt.temperature, generator)  # [1] each
+            a, token, d = yield Read((verdict.accepted[0], verdict.next_token[0], draft.tokens))
+            new = cut_after_eos(d[:a] + [token], bb.eos_ids)[:room]
             out += new
             context += new
             yield Commit(list(range(L, L + len(new))), new)
@@ -185,38 +204,6 @@ class SpeculativeDecoder(LoopDecoder):
             "target_tokens_fed_per_token": fed / len(out) if out else 0.0,  # no padding (a batch pads rows)
         }
         return LoopOutput(out, trace, list(prompt_ids) + out, list(range(P + len(out))), extra=extra)
-
-    # ------------------------------------------------------------------ verification rules
-    def _accept_greedy(self, logits, draft: Draft):
-        """``logits [n+1, V]`` -> (drafts accepted a, the new tokens: d_1..d_a + the target's argmax after)."""
-        target = row_argmax(logits)  # [n+1]
-        t, d = yield Read((target, draft.tokens))
-        a = 0
-        while a < draft.n and d[a] == t[a]:
-            a += 1
-        return a, d[:a] + [t[a]]
-
-    def _accept_sampled(self, logits, draft: Draft, generator):
-        """Speculative sampling's rejection rule over ``logits [n+1, V]`` -> (a, the new tokens)."""
-        n, dev = draft.n, logits.device
-        p = torch.softmax(logits / self.options.temperature, dim=-1)  # [n+1, V] the target's distributions
-        q = torch.zeros_like(p)  # [n+1, V] the proposer's; row n (the bonus position) stays 0
-        if n:  # a deterministic proposer's distribution: a point mass on its token
-            q[:n] = draft.probs if draft.probs is not None else \
-                torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).to(p.dtype)
-        rows = torch.arange(n, device=dev)
-        p_d, q_d = p[rows, draft.tokens], q[rows, draft.tokens]  # [n] each
-        u = torch.rand(n, generator=generator, device=generator.device).to(dev)  # [n]
-        ok = u * q_d < p_d  # [n]: accept d_i with probability min(1, p/q)
-        residual = (p - q).clamp_min(0)  # [n+1, V]
-        z = residual.sum(-1, keepdim=True)
-        residual = torch.where(z > 0, residual / z.clamp_min(torch.finfo(p.dtype).tiny), p)  # p == q: draw from p
-        resampled = torch.multinomial(residual, 1, generator=generator)[:, 0]  # [n+1]
-        ok_h, r, d = yield Read((ok, resampled, draft.tokens))
-        a = 0
-        while a < n and ok_h[a]:
-            a += 1
-        return a, d[:a] + [r[a]]
 
     def _next_k(self, k: int, accepted: int, drafted: int) -> int:
         if self.options.schedule == "constant":

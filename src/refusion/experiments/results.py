@@ -55,8 +55,11 @@ if TYPE_CHECKING:
 
 WALL_FILE = "wall.json"  # {"wall_s": the command's wall seconds, a resumed run's added}
 ORDER = ("kv_cache", "scorers", "slot_threshold", "token_threshold", "slot_size", "serial_blocks", "frontier",
-         "variants", "ladder")
+         "variants", "ladder", "speculative")
 STEPPED = ("ladder",)  # analyses whose runs are rungs: each run is compared with the one before it
+#: analyses whose section adds a table of paired verdicts: the reference run against each run whose label
+#: starts with the prefix, and each of those runs' token identity with the lossless-against run
+VERSUS = {"speculative": ("refusion", "spec-", "ar")}
 Rows = list[dict[str, Any]]
 Outcome = tuple[bool, str]  # (claim true on this task, the numbers that decided it)
 
@@ -305,6 +308,57 @@ def any_order_faster_than_left_to_right(runs: dict[str, dict]) -> Outcome:
                 f"{_pct(l2r['accuracy'])} ({_gap_text(paired_gap(p, l2r))})")
 
 
+def _versus(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool | None, bool | None, str]:
+    """A against B, paired: (A faster, A at least as accurate; None where inconclusive, see :func:`faster`,
+    :func:`as_accurate`) and the numbers."""
+    verdicts = []
+    for test in (faster, as_accurate):
+        try:
+            verdicts.append(test(a, b))
+        except Inconclusive:
+            verdicts.append(None)
+    ratio, gap = speed_ratio(a, b), paired_gap(a, b)
+    return verdicts[0], verdicts[1], f"{_ratio_text(ratio)} the tokens/s of {b['run']}, accuracy {_gap_text(gap)}"
+
+
+def refusion_beats_speculative(runs: dict[str, dict]) -> Outcome:
+    """ReFusion against every speculative row (``spec-*``): faster and at least as accurate than each, paired."""
+    spec = sorted(label for label in runs if label.startswith("spec-"))
+    if not spec:
+        raise LookupError("speculative runs (spec-*)")
+    judged = [(label, *_versus(runs["refusion"], runs[label])) for label in spec]
+    why = "; ".join(f"{why} ({'faster' if fast else 'slower' if fast is False else 'speed inconclusive'}, "
+                    f"{'as accurate' if acc else 'less accurate' if acc is False else 'accuracy inconclusive'})"
+                    for _, fast, acc, why in judged)
+    if any(fast is False or acc is False for _, fast, acc, _ in judged):
+        return False, why
+    if any(fast is None or acc is None for _, fast, acc, _ in judged):
+        raise Inconclusive(why)
+    return True, why
+
+
+def versus_table(rows: Rows, records: list[dict[str, Any]], reference: str, prefix: str, lossless: str) -> list[str]:
+    """Per task and run labelled ``prefix*``: its samples token-identical to run ``lossless``'s, and
+    ``reference`` against it, paired (tokens/s ratio and accuracy difference with 95% intervals, each with
+    its verdict by the page's rules). Markdown lines."""
+    tokens = {(r["run"], r["task"], r["idx"]): r.get("token_ids") for r in records}
+    lines = [f"| task | run | token-identical to {lossless} | {reference}'s tokens/s over it [95%] | speed | "
+             f"{reference}'s accuracy minus it, points [95%] | accuracy |", "|---|---|---|---|---|---|---|"]
+    for task, runs in sorted(_by_task(rows).items()):
+        for label in sorted(r for r in runs if r.startswith(prefix)):
+            ids = [i for (run, t, i) in tokens if run == label and t == task and (lossless, t, i) in tokens]
+            same = sum(tokens[label, task, i] == tokens[lossless, task, i] for i in ids)
+            if reference not in runs:
+                continue
+            fast, acc, _ = _versus(runs[reference], runs[label])
+            ratio, gap = speed_ratio(runs[reference], runs[label]), paired_gap(runs[reference], runs[label])
+            lines.append(f"| {task} | {label} | {same}/{len(ids)} | {_ratio_text(ratio)} | "
+                         f"{'faster' if fast else 'slower' if fast is False else 'inconclusive'} | "
+                         f"{_gap_text(gap).removesuffix(']').replace(' points [', ' [')}] | "
+                         f"{'as accurate' if acc else 'less accurate' if acc is False else 'inconclusive'} |")
+    return lines
+
+
 @dataclass(frozen=True)
 class Claim:
     ablation: str
@@ -340,6 +394,10 @@ CLAIMS = (
     Claim("variants", "Figure 1: ReFusion with any-order slots is faster than the same model forced left to "
           "right. (Sub-slot remasking, adaptive split, fused scheduling and joined II-b rows are ours; the paper has no numbers.)",
           "any-order slots are faster than left-to-right and as accurate", any_order_faster_than_left_to_right),
+    Claim("speculative", "Not in the paper (its rivals are AR and diffusion decoders): speculative decoding is the "
+          "lossless AR baseline a user would pick instead (n-gram, draft-model and diffusion drafters).",
+          "ReFusion is faster than every speculative configuration and at least as accurate (paired)",
+          refusion_beats_speculative, about_accuracy=False),
 )
 
 
@@ -469,10 +527,15 @@ def kept_sections(doc: Path, wanted: list[str], models_used: Callable[[str], lis
 
 
 def models_used(name: str) -> list[str]:
-    """The checkpoints the shipped ablation ``name`` decodes with."""
+    """The checkpoints the shipped ablation ``name`` decodes with (a speculative run's drafter included)."""
     from refusion.experiments.ablate import build_runs
 
-    return sorted({run.model for run in build_runs(load_ablation(name + ".yaml"))})
+    used = set()
+    for run in build_runs(load_ablation(name + ".yaml")):
+        used.add(run.model)
+        used.update(c["proposer"]["model"] for c in run.configs.values()
+                    if isinstance(c.get("proposer"), dict) and c["proposer"].get("model"))
+    return sorted(used)
 
 
 def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: int = 1,
@@ -535,6 +598,11 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
             labels = [r.label for r in cfg.runs if r.label != cfg.baseline]
             sec += ["What each change buys: each row against the row before it, on the same samples.", "",
                     *step_table(load_records(out / name / "samples.jsonl"), labels), ""]
+        if name in VERSUS:
+            reference, prefix, lossless = VERSUS[name]
+            sec += [f"Paired verdicts, `{reference}` against each `{prefix}*` run on the same samples (the "
+                    f"page's rules), and each run's samples token-identical to `{lossless}`'s:", "",
+                    *versus_table(rows, records, reference, prefix, lossless), ""]
         for i, spec in enumerate(cfg.plots if rows else []):  # drawn again from the rows, as `ablate` draws them
             png = plot(rows, spec, fig_dir, f"{name}_{i}")[0]
             sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]

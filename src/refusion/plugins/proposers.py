@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -28,7 +29,7 @@ from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import Draft, Options, Proposer, ProposerState
 from refusion.core.loop import Attention, ForwardRequest
-from refusion.core.probs import row_argmax
+from refusion.core.probs import row_argmax, tempered_softmax
 
 LAST = slice(-1, None)
 DRAFT = "draft"  # the request group of a drafter's forwards: never in one model call with the target's
@@ -86,6 +87,7 @@ class _DraftModelProposer(Proposer):
     the two share a vocabulary."""
 
     draft = None  # the drafter's Backbone
+    draft_attention: ClassVar[str] = "causal"  # the attention of the draft model (refusion.testing's checks use it)
 
     def with_backbone(self, draft) -> "_DraftModelProposer":
         """This proposer with ``draft`` (a Backbone) as its model, instead of loading ``options.model``."""
@@ -117,7 +119,7 @@ class _DraftModelProposer(Proposer):
         """``logits [m, V]`` -> (tokens [m], their distributions [m, V] or None at temperature 0)."""
         if temperature == 0:
             return row_argmax(logits), None
-        q = torch.softmax(logits / temperature, dim=-1)
+        q = tempered_softmax(logits, temperature)
         return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 
@@ -146,6 +148,8 @@ class ModelProposer(_DraftModelProposer):
 
 
 class DiffusionProposer(_DraftModelProposer):
+    draft_attention = "bidirectional"
+
     class Options(Options):
         model: str = Field("tiny-block", description="a masked / block diffusion model with the target's tokenizer "
                            "(tiny-mdm, tiny-block)")

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 _CHECKS = ("ContractError", "CheckReport", "CHECKS", "CONTRACTS", "check_scorer", "check_selector", "check_verifier",
-           "check_extender", "check_cache_manager", "check_remasker", "check_drafter", "check_decoder",
+           "check_extender", "check_cache_manager", "check_remasker", "check_drafter", "check_proposer",
+           "check_acceptance", "check_decoder",
            "check_part", "decoder_invariants")
 
 __all__ = [*_CHECKS, "strategies", "models"]

@@ -171,6 +171,26 @@ def remasker_inputs(draw, max_slots: int = 5, max_size: int = 5):
     return _grid(draw, (len(sizes), k), PROBS), sizes
 
 
+@st.composite
+def acceptance_inputs(draw, sampling: bool = False, max_rows: int = 3, max_drafts: int = 5, max_vocab: int = 6):
+    """``(logits [B, n+1, V], drafts [B, n], draft_probs, temperature)`` of a speculative verification: finite
+    target logits; drafts that are the target's argmax, any tokens, or a mix (so prefixes of every length
+    match); with ``sampling`` a temperature > 0 and draft distributions ``[B, n, V]`` (softmax of other logits,
+    each draft drawn from its row's support) or None (a deterministic proposer), else temperature 0 and None."""
+    B, n, V = draw(st.integers(1, max_rows)), draw(st.integers(0, max_drafts)), draw(st.integers(2, max_vocab))
+    logits = _grid(draw, (B, n + 1, V), LOGITS)
+    argmax = logits.argmax(-1)[:, :n]
+    anything = torch.tensor(draw(st.lists(st.integers(0, V - 1), min_size=B * n, max_size=B * n)),
+                            dtype=torch.long).view(B, n)
+    keep = torch.tensor(draw(st.lists(st.booleans(), min_size=B * n, max_size=B * n)), dtype=torch.bool).view(B, n)
+    drafts = draw(st.sampled_from([argmax, anything, torch.where(keep, argmax, anything)]))
+    if not sampling:
+        return logits, drafts, None, 0.0
+    temperature = draw(st.one_of(st.sampled_from([0.5, 1.0, 1.5]), st.floats(0.05, 4.0)))
+    probs = torch.softmax(_grid(draw, (B, n, V), LOGITS), dim=-1) if draw(st.booleans()) else None
+    return logits, drafts, probs, temperature
+
+
 def selector_scores(max_slots: int = 8, min_slots: int = 1) -> st.SearchStrategy[torch.Tensor]:
     """Scores ``[S]`` in [0, 1] (every built-in scorer's range), ties included."""
     return st.lists(PROBS, min_size=min_slots, max_size=max_slots).map(lambda xs: torch.tensor(xs, dtype=torch.float32))
@@ -253,5 +273,6 @@ def decoder_configs(draw, name: str, registry=None, parts: dict[str, list[str]] 
 
 
 __all__ = ["options_values", "part_options", "slot_layouts", "valid_mask", "proposals", "verifier_inputs",
-           "extender_inputs", "remasker_inputs", "selector_scores", "prompts", "reorderings", "decoder_configs",
+           "extender_inputs", "remasker_inputs", "acceptance_inputs", "selector_scores", "prompts", "reorderings",
+           "decoder_configs",
            "SHAPES", "MAX_GEN_LENGTH", "MASK_ID"]
