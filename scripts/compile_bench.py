@@ -9,7 +9,8 @@ decodes the first ``--limit`` test samples per task with each decoder at each ba
 chunk (the chunks interleaved by first sample; within a chunk eager and compiled alternate which goes
 first), after warm-up decodes that compile the graphs. Prints per decoder and batch size: samples whose
 token ids differ between the two, aggregate tokens/s of each and compiled over eager with a 95%
-paired-bootstrap interval over chunks, and the graphs compiled during the timed decodes (recompiles).
+paired-bootstrap interval over chunks (and the same ratio in this thread's CPU time, which other busy
+processes on the machine do not inflate), and the graphs compiled during the timed decodes (recompiles).
 Then (unless ``--no-fit``) fits the forward cost model (:mod:`refusion.experiments.costmodel`) on both
 and prints each fixed per-call cost, eager and compiled. Writes ``OUT/compile_bench.json``. One thread.
 """
@@ -44,15 +45,16 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, list[list[int]]]:
-    """(tokens, wall seconds, token ids per prompt) of one decode call over ``prompts``."""
+def run_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, list[list[int]], float]:
+    """(tokens, wall seconds, token ids per prompt, this thread's CPU seconds) of one decode call."""
+    cpu0 = time.thread_time()
     if len(prompts) == 1:
         res = [decoder.generate(prompts[0])]
         wall = res[0].stats.wall_s
     else:
         res = decoder.generate_batch(prompts)
         wall = res[0].stats.batch_wall_s
-    return sum(r.stats.generated_tokens for r in res), wall, [r.token_ids for r in res]
+    return sum(r.stats.generated_tokens for r in res), wall, [r.token_ids for r in res], time.thread_time() - cpu0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="default", help="torch.compile mode (as --compile)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds of the forward-cost grid")
     ap.add_argument("--no-fit", action="store_true", help="skip the forward-cost fit")
+    ap.add_argument("--fit-clock", choices=["wall", "cpu"], default="wall",
+                    help="time the fit's forwards in wall time or in this thread's CPU time")
     ap.add_argument("--out", type=Path, default=Path("runs/compile_bench"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -100,33 +104,38 @@ def main(argv: list[str] | None = None) -> int:
         order = list(arms) if n % 2 == 0 else list(arms)[::-1]
         out = {arm: run_chunk(decoders[arm, r.label, t], ps) for arm in order}
         cell = got.setdefault((r.label, size), {"tokens": {k: [] for k in arms}, "wall": {k: [] for k in arms},
-                                                "differ": 0, "samples": 0})
+                                                "cpu": {k: [] for k in arms}, "differ": 0, "samples": 0})
         for arm in arms:
             cell["tokens"][arm].append(out[arm][0])
             cell["wall"][arm].append(out[arm][1])
+            cell["cpu"][arm].append(out[arm][3])
         cell["differ"] += sum(x != y for x, y in zip(out["eager"][2], out["compiled"][2]))
         cell["samples"] += len(ps)
     recompiles = graphs_compiled() - graphs0
 
     rows = []
-    print(f"\n| decoder | batch | samples | ids differ | eager tok/s | compiled tok/s | compiled / eager [95%] |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| decoder | batch | samples | ids differ | eager tok/s | compiled tok/s | compiled / eager [95%] | "
+          "the same in CPU time [95%] |\n|---|---|---|---|---|---|---|---|")
     for r in runs:
         for size in sizes:
             c = got[r.label, size]
             rate = {arm: sum(c["tokens"][arm]) / sum(c["wall"][arm]) for arm in arms}
-            ratio = throughput_ratio(c["tokens"]["eager"], c["wall"]["eager"], c["tokens"]["compiled"], c["wall"]["compiled"])
+            tok = c["tokens"]
+            ratio = throughput_ratio(tok["eager"], c["wall"]["eager"], tok["compiled"], c["wall"]["compiled"])
+            cpu = throughput_ratio(tok["eager"], c["cpu"]["eager"], tok["compiled"], c["cpu"]["compiled"])
             rows.append({"decoder": r.label, "batch_size": size, "samples": c["samples"], "ids_differ": c["differ"],
                          "eager_tokens_per_second": rate["eager"], "compiled_tokens_per_second": rate["compiled"],
-                         "ratio": ratio.value, "ratio_low": ratio.low, "ratio_high": ratio.high})
+                         "ratio": ratio.value, "ratio_low": ratio.low, "ratio_high": ratio.high,
+                         "cpu_ratio": cpu.value, "cpu_ratio_low": cpu.low, "cpu_ratio_high": cpu.high})
             print(f"| {r.label} | {size} | {c['samples']} | {c['differ']} | {rate['eager']:.0f} | {rate['compiled']:.0f} | "
-                  f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] |")
+                  f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] | {cpu.value:.2f}x [{cpu.low:.2f}, {cpu.high:.2f}] |")
     print(f"\ngraphs compiled during the timed decodes (recompiles): {recompiles}")
     report = {"mode": a.mode, "limit": a.limit, "warm_up_s": warm_s, "graphs_at_warm_up": graphs0,
               "recompiles_timed": recompiles, "rows": rows}
     if not a.no_fit:
-        fits = {arm: fit(measure(bbs[arm, models[0]], repeats=a.repeats), device="cpu, 1 thread",
-                         note=f"{models[0]}, {arm}") for arm in arms}
+        clock = time.thread_time if a.fit_clock == "cpu" else time.perf_counter
+        fits = {arm: fit(measure(bbs[arm, models[0]], repeats=a.repeats, clock=clock), device="cpu, 1 thread",
+                         note=f"{models[0]}, {arm}, {a.fit_clock} clock") for arm in arms}
         print(f"\nforward cost model on {models[0]}, eager and compiled ({a.mode}):")
         print("| term | eager | compiled | compiled / eager |\n|---|---|---|---|")
         for name in FEATURES:

@@ -17,15 +17,14 @@ KNOWN = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_ragged": 4.2e-3, "
 
 
 def synthetic(coef: dict[str, float], noise: float = 0.0, seed: int = 0) -> list[ForwardShape]:
-    """The default grid's shapes (logits at one row and at every fed row), timed by ``coef`` with
-    multiplicative noise."""
+    """The default grid's shapes, timed by ``coef`` with multiplicative noise."""
     rng = np.random.default_rng(seed)
     truth = CostModel(coef)
     out = []
-    for kind, rows, fed, past in GRID:
-        for logits in (rows, rows * fed):
-            s = ForwardShape(rows, fed, past, logits, kind)
-            out.append(ForwardShape(rows, fed, past, logits, kind, truth.predict(s) * (1 + noise * rng.standard_normal())))
+    for kind, rows, fed, past, logits in GRID:
+        n = rows * (fed if logits == "all" else 1)
+        s = ForwardShape(rows, fed, past, n, kind)
+        out.append(ForwardShape(rows, fed, past, n, kind, truth.predict(s) * (1 + noise * rng.standard_normal())))
     return out
 
 

@@ -23,7 +23,7 @@ import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -124,12 +124,19 @@ def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> Cos
 
 
 # ------------------------------------------------------------------------------------ measurement
-#: the default grid of :func:`measure`: (kind, rows, fed, past); logits at the last fed position per row
+#: the default grid of :func:`measure`: (kind, rows, fed, past, logits), logits ``last`` (the last fed
+#: position per row: what AR-like steps read) or ``all`` (every fed position: what a diffusion step reads),
+#: so the per-logits-row cost is told apart from the per-token one
 GRID = tuple(
-    [("causal", 1, fed, past) for fed in (1, 4, 16, 64) for past in (32, 160, 320)]
-    + [("causal", rows, fed, 160) for rows in (4, 16) for fed in (1, 16)]
-    + [("masked", 1, fed, past) for fed in (1, 16, 64) for past in (32, 160, 320)]
-    + [("ragged", rows, fed, past) for rows in (1, 4, 16) for fed in (1, 4, 16, 64) for past in (32, 160)]
+    [("causal", 1, fed, past, "last") for fed in (1, 4, 16, 64) for past in (32, 160, 320)]
+    + [("causal", 1, fed, past, "all") for fed in (16, 64) for past in (32, 320)]
+    + [("causal", rows, fed, 160, logits) for rows in (4, 16) for fed in (1, 16) for logits in ("last", "all")
+       if fed > 1 or logits == "last"]
+    + [("masked", 1, fed, past, "last") for fed in (1, 16, 64) for past in (32, 160, 320)]
+    + [("masked", 1, fed, past, "all") for fed in (16, 64) for past in (32, 320)]
+    + [("ragged", rows, fed, past, "last") for rows in (1, 4, 16) for fed in (1, 4, 16, 64) for past in (32, 160)]
+    + [("ragged", rows, fed, 160, "all") for rows in (1, 4, 16) for fed in (16, 64)]
+    + [("ragged", 64, 1, 160, "last"), ("ragged", 64, 16, 160, "last"), ("ragged", 64, 16, 160, "all")]
 )
 
 
@@ -166,28 +173,30 @@ def _timed_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logit
     return lambda: shared.forward(requests)
 
 
-def measure(bb: "Backbone", grid: Iterable[tuple[str, int, int, int]] = GRID, repeats: int = 7,
-            logits_all: bool = False) -> list[ForwardShape]:
-    """Time one forward of every ``(kind, rows, fed, past)`` of ``grid`` through the decoders' caches:
-    ``repeats`` rounds, each timing every shape once in grid order (interleaved, so machine noise hits all
-    alike), after one untimed round; the median per shape. Logits at every fed position with
-    ``logits_all``, else at the last one per row (what the AR-like steps read)."""
-    grid = list(grid)
-    calls = [_timed_call(bb, *g, logits_all) for g in grid]
+def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
+            clock: Callable[[], float] = time.perf_counter) -> list[ForwardShape]:
+    """Time one forward of every ``(kind, rows, fed, past[, logits])`` of ``grid`` (logits ``last`` when not
+    given) through the decoders' caches: ``repeats`` rounds, each timing every shape once in grid order
+    (interleaved, so machine noise hits all alike), after one untimed round; the median per shape.
+    ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time (one torch
+    thread on a CPU shared with other processes: the work, not the waiting)."""
+    grid = [(*g, "last") if len(g) == 4 else tuple(g) for g in grid]
+    bad = [g for g in grid if g[4] not in ("last", "all")]
+    if bad:
+        raise ValueError(f"grid: logits must be 'last' or 'all', got {bad[0]}")
+    calls = [_timed_call(bb, kind, rows, fed, past, logits == "all") for kind, rows, fed, past, logits in grid]
     for call in calls:  # warm-up: allocator pools, one-off paths
         call()
     times: list[list[float]] = [[] for _ in grid]
     for _ in range(repeats):
         for i, call in enumerate(calls):
             bb.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock()
             call()
             bb.synchronize()
-            times[i].append(time.perf_counter() - t0)
-    out = []
-    for (kind, rows, fed, past), ts in zip(grid, times):
-        out.append(ForwardShape(rows, fed, past, rows * (fed if logits_all else 1), kind, statistics.median(ts)))
-    return out
+            times[i].append(clock() - t0)
+    return [ForwardShape(rows, fed, past, rows * (fed if logits == "all" else 1), kind, statistics.median(ts))
+            for (kind, rows, fed, past, logits), ts in zip(grid, times)]
 
 
 # ------------------------------------------------------------------------------------ decodes
@@ -235,3 +244,54 @@ def crossover(rates: dict[int, float], ar_rates: dict[int, float]) -> int | None
         if ar_rates[size] >= rates[size]:
             return size
     return None
+
+
+# ------------------------------------------------------------------------------------ a GPU by assumption
+#: an H100 SXM: dense bfloat16 tensor throughput (FLOP/s) and HBM bandwidth (bytes/s), from its data sheet
+H100 = {"flops": 989e12, "bandwidth": 3.35e12}
+#: Qwen3-0.6B's shape (scripts/gpu_bench.py's ``0.6b``)
+QWEN3_0_6B = {"hidden": 1024, "intermediate": 3072, "layers": 28, "heads": 16, "kv_heads": 8, "head_dim": 128,
+              "vocab": 151936}
+#: the fixed per-call cost of an eager forward of that shape measured on an H200 (docs/gpu.md: AR at 25.7
+#: tokens/s, 1.6% of its time outside forwards: 38.3 ms per forward); host-bound, so taken for an H100 too
+EAGER_FIXED_S = 38.3e-3
+#: the fixed per-call cost assumed for a forward replayed as a CUDA graph (``--compile reduce-overhead`` with
+#: static shapes): one graph launch and the host's own work per call, an assumption for the GPU check to test
+GRAPH_FIXED_S = 1.0e-3
+
+
+def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, efficiency: float = 0.5,
+             bytes_per_value: int = 2, device: str = "H100 (assumed)") -> CostModel:
+    """A :class:`CostModel` for a transformer of ``shape`` on ``gpu`` by arithmetic, not measurement: per token
+    fed 2 FLOP per layer weight, per logits row 2 FLOP per head weight, per query-key pair 4 FLOP per head
+    dimension per head per layer (scores and the weighted sum), all at ``efficiency`` of the peak; per key
+    attended over, its K and V read from memory per row; the fixed cost ``fixed_s`` per call of every kind
+    (plus reading the weights once: the memory floor)."""
+    h, layers = shape["hidden"], shape["layers"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    layer_weights = h * q + 2 * h * kv + q * h + 3 * h * shape["intermediate"]
+    flops = gpu["flops"] * efficiency
+    weights_bytes = (layers * layer_weights + shape["vocab"] * h) * bytes_per_value
+    fixed = fixed_s + weights_bytes / gpu["bandwidth"]
+    coef = {"fixed_causal": fixed, "fixed_masked": fixed, "fixed_ragged": fixed,
+            "token": 2 * layers * layer_weights / flops, "logit": 2 * shape["vocab"] * h / flops,
+            "pair": 4 * shape["head_dim"] * shape["heads"] * layers / flops,
+            "key": 2 * kv * layers * bytes_per_value / gpu["bandwidth"]}
+    return CostModel(coef=coef, device=device,
+                     note=f"roofline at {efficiency:.0%} of peak, fixed {1e3 * fixed_s:.2f} ms + weights read")
+
+
+def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop_s: float,
+                    sizes: Sequence[int] = (1, 4, 16, 32, 64)) -> dict[int, float]:
+    """Predicted tokens/s at each of ``sizes``: from the profile recorded at that batch size, else from the
+    largest recorded one below it with every call carrying proportionally more sequences (lock-step)."""
+    out = {}
+    for size in sizes:
+        base = size if size in profiles else max((b for b in profiles if b <= size), default=None)
+        if base is None:
+            continue
+        p, factor = profiles[base], size / base
+        scaled = p if factor == 1 else DecodeProfile(scale_rows(p.shapes, factor), round(p.sequence_forwards * factor),
+                                                     round(p.tokens * factor), 0.0)
+        out[size] = predict_decode(model, scaled, loop_s)["predicted_tokens_per_second"]
+    return out

@@ -63,7 +63,9 @@ def compiled_call(model: PreTrainedModel, mode: str):
 
     # every distinct cache object type / layer count is one more graph; the default limit (8) would make
     # a long-running process fall back to eager without a word
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+    setattr(config, limit, max(getattr(config, limit), 64))
     return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
 
 
