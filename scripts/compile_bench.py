@@ -13,6 +13,12 @@ paired-bootstrap interval over chunks (and the same ratio in this thread's CPU t
 processes on the machine do not inflate), and the graphs compiled during the timed decodes (recompiles).
 Then (unless ``--no-fit``) fits the forward cost model (:mod:`refusion.experiments.costmodel`) on both
 and prints each fixed per-call cost, eager and compiled. Writes ``OUT/compile_bench.json``. One thread.
+
+``--calls-only``: only the per-call cost, without decodes: one forward of 1 token after 150 cached through
+a sequence's cache and through a ragged batch of 16 rows (nearly all fixed cost), eager and compiled on
+``tiny-ar``, interleaved call by call for ``--call-repeats`` rounds; median wall and CPU milliseconds.
+``--cpp-wrapper``: inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``) instead of its Python
+one, which calls the compiled kernels from C++.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from cost_model import backbones_of  # noqa: E402
 
 from refusion.core.config import build_decoder  # noqa: E402
 from refusion.experiments.bench import bench_runs, load_bench_config  # noqa: E402
-from refusion.experiments.costmodel import FEATURES, fit, measure  # noqa: E402
+from refusion.experiments.costmodel import FEATURES, fit, forward_call, measure  # noqa: E402
 from refusion.experiments.stats import throughput_ratio  # noqa: E402
 from refusion.models.backend import Backbone  # noqa: E402
 from refusion.models.tokenizer import encode_prompt  # noqa: E402
@@ -57,6 +63,35 @@ def run_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, list[list[
     return sum(r.stats.generated_tokens for r in res), wall, [r.token_ids for r in res], time.thread_time() - cpu0
 
 
+#: the per-call shapes of ``--calls-only``: (kind, rows, fed, past)
+CALLS = (("causal", 1, 1, 150), ("ragged", 16, 1, 150))
+
+
+def per_call(mode: str, repeats: int) -> list[dict]:
+    """Median wall and CPU milliseconds of each :data:`CALLS` forward, eager and compiled, interleaved."""
+    eager = Backbone.from_pretrained("tiny-ar")
+    compiled = Backbone(eager.model, eager.tokenizer, mask_id=eager.mask_id, eos_ids=eager.eos_ids, compile=mode)
+    calls = [(arm, shape, forward_call(bb, *shape, False)) for shape in CALLS
+             for arm, bb in (("eager", eager), ("compiled", compiled))]
+    for arm, shape, call in calls:  # compiles
+        t0 = time.perf_counter()
+        call()
+        call()
+        print(f"{arm} {shape}: first calls {time.perf_counter() - t0:.1f} s", flush=True)
+    wall: list[list[float]] = [[] for _ in calls]
+    cpu: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, (_, _, call) in enumerate(calls):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            call()
+            wall[i].append(time.perf_counter() - w0)
+            cpu[i].append(time.thread_time() - c0)
+    import statistics
+
+    return [{"arm": arm, "shape": list(shape), "wall_ms": 1e3 * statistics.median(w), "cpu_ms": 1e3 * statistics.median(c)}
+            for (arm, shape, _), w, c in zip(calls, wall, cpu)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decoders", default="ar,refusion,llada,block,spec-diffusion")
@@ -68,9 +103,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fit", action="store_true", help="skip the forward-cost fit")
     ap.add_argument("--fit-clock", choices=["wall", "cpu"], default="wall",
                     help="time the fit's forwards in wall time or in this thread's CPU time")
+    ap.add_argument("--calls-only", action="store_true", help="only the per-call cost of two shapes (see above)")
+    ap.add_argument("--call-repeats", type=int, default=40)
+    ap.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper instead of its Python one")
     ap.add_argument("--out", type=Path, default=Path("runs/compile_bench"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.cpp_wrapper:
+        import torch._inductor.config
+
+        torch._inductor.config.cpp_wrapper = True
+    if a.calls_only:
+        rows = per_call(a.mode, a.call_repeats)
+        print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "
+              f"{'C++' if a.cpp_wrapper else 'Python'} wrapper)\n| shape (kind, rows, fed, past) | arm | wall ms | CPU ms |"
+              "\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {', '.join(map(str, r['shape']))} | {r['arm']} | {r['wall_ms']:.2f} | {r['cpu_ms']:.2f} |")
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "calls.json").write_text(json.dumps({"mode": a.mode, "cpp_wrapper": a.cpp_wrapper, "rows": rows}, indent=1))
+        return 0
     tasks = [t for t in a.tasks.split(",") if t]
     sizes = sorted({int(x) for x in a.batch_sizes.split(",") if x.strip()})
     runs = bench_runs(load_bench_config(), [d for d in a.decoders.split(",") if d], tasks)

@@ -140,7 +140,7 @@ GRID = tuple(
 )
 
 
-def _timed_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logits_all: bool):
+def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logits_all: bool):
     """A zero-argument callable running one forward of that shape through the decoders' own caches (the
     cost of the cache's bookkeeping included), keeping no KV, so it can repeat."""
     import torch
@@ -184,7 +184,7 @@ def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
     bad = [g for g in grid if g[4] not in ("last", "all")]
     if bad:
         raise ValueError(f"grid: logits must be 'last' or 'all', got {bad[0]}")
-    calls = [_timed_call(bb, kind, rows, fed, past, logits == "all") for kind, rows, fed, past, logits in grid]
+    calls = [forward_call(bb, kind, rows, fed, past, logits == "all") for kind, rows, fed, past, logits in grid]
     for call in calls:  # warm-up: allocator pools, one-off paths
         call()
     times: list[list[float]] = [[] for _ in grid]
