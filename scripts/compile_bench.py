@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.cpp_wrapper:
-        import torch._inductor.config
+        import torch._inductor.config as inductor_config
 
-        torch._inductor.config.cpp_wrapper = True
+        inductor_config.cpp_wrapper = True
     if a.calls_only:
         rows = per_call(a.mode, a.call_repeats)
         print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "
