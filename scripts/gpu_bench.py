@@ -12,10 +12,21 @@ quality. Then throughput against batch size (``--batch-sizes``, default 1,4,16):
 prompts decoded in one ``generate_batch`` call, per decoder, as aggregate tokens/s (all tokens / the
 batch's wall time; size 1 is the first pass's first prompt) and ReFusion's over AR's at each size.
 
-Time is scarce on a lent GPU, so the work runs in order of importance (batch 1, then time outside
-forwards, then the batch sizes) and a part that would start after ``--time-limit-s`` seconds is skipped
-and named as skipped; ``--out/gpu_bench.json`` is rewritten after every part, so a run cut short keeps
-what it measured. ``--shape tiny`` builds a small model for a CPU smoke run.
+The forward-cost table: the cost model of :mod:`refusion.experiments.costmodel` fitted on this device
+(one forward of each shape of a small grid through the decoders' caches: a fixed per-call cost per kind
+of forward, then per token fed, per key, per query-key pair and per logits row), the decoders' loop cost
+per sequence-forward calibrated on the batch-1 decode of the first prompt, and from them each measured
+batch row predicted from its recorded forwards, and ReFusion over AR predicted at batch 1 to 64 (the
+batch-1 decode's forwards with every call carrying s sequences: lock-step batches), with the predicted
+crossover (the first size where AR's tokens/s reaches ReFusion's). ``--compile MODE`` adds a last part:
+the model forward under ``torch.compile(mode=MODE)`` (on CUDA ``reduce-overhead`` records CUDA graphs)
+timed on a few fixed shapes against eager, i.e. the fixed per-call cost a static-shape forward keeps.
+
+Time is scarce on a lent GPU, so the work runs in order of importance (batch 1, then the forward-cost
+table, then the compiled forward, then time outside forwards, then the batch sizes) and a part that
+would start after ``--time-limit-s`` seconds is skipped and named as skipped; ``--out/gpu_bench.json`` is
+rewritten after every part, so a run cut short keeps what it measured. ``--shape tiny`` builds a small
+model for a CPU smoke run.
 """
 from __future__ import annotations
 
@@ -30,6 +41,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from refusion.core import host
 from refusion.core.config import build_decoder
+from refusion.experiments.costmodel import (
+    DecodeProfile, calibrate_loop, crossover, fit, predict_decode, scale_rows,
+)
+from refusion.experiments.costmodel import measure as time_forwards
 from refusion.models.backend import Backbone
 from refusion.models.loading import load_pretrained
 from refusion.models.tokenizer import encode_prompt
@@ -62,6 +77,14 @@ def prompts(backbone: Backbone, n: int) -> list[list[int]]:
     return [encode_prompt(backbone.tokenizer, e.query) for e in examples]
 
 
+#: the forward-cost grid on the device: (kind, rows, fed, past); the decoders' forwards at batch 1 (dense
+#: causal) and in batches (ragged), an AR step to a wide Stage I, a short and a long cache
+GPU_GRID = tuple([("causal", 1, fed, past) for fed in (1, 16, 64) for past in (128, 512)]
+                 + [("ragged", rows, fed, past) for rows in (1, 4, 16) for fed in (1, 16, 64) for past in (128, 512)])
+#: the shapes the compiled forward is timed on (each a graph of its own under CUDA graphs)
+COMPILE_GRID = (("causal", 1, 1, 256), ("causal", 1, 64, 256), ("ragged", 16, 1, 256), ("ragged", 16, 64, 256))
+PREDICT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
 WARM_UP_TOKENS = 16  # a warm-up decode compiles kernels and fills allocator pools; its length does not matter
 
 
@@ -79,14 +102,23 @@ def decoder_for(backbone: Backbone, name: str, gen_length: int):
     return build_decoder(backbone, {**CONFIGS[name], "gen_length": gen_length})
 
 
+#: (decoder, batch size) -> the recorded forwards of its first timed decode (batch 1: the first prompt)
+PROFILES: dict[tuple[str, int], DecodeProfile] = {}
+
+
 def measure(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]) -> dict:
     """Batch 1: tokens/s per prompt (median), forwards, iterations and host reads per iteration."""
     decoder_for(backbone, name, WARM_UP_TOKENS).generate(ids[0])
     decoder = decoder_for(backbone, name, gen_length)
     rates, walls, forwards, tokens, iterations, reads = [], [], 0, [], 0, 0
-    for prompt in ids:
+    for i, prompt in enumerate(ids):
         host.reset()
+        backbone.forward_log = [] if i == 0 else None
         result = decoder.generate(prompt)
+        if i == 0:
+            PROFILES[name, 1] = DecodeProfile(backbone.forward_log, result.stats.nfe, result.stats.generated_tokens,
+                                              result.stats.wall_s)
+            backbone.forward_log = None
         reads += host.count
         rates.append(result.stats.tokens_per_second)
         walls.append(result.stats.wall_s)
@@ -113,10 +145,41 @@ def share_outside_forwards(backbone: Backbone, name: str, gen_length: int, ids: 
 def measure_batch(backbone: Backbone, name: str, gen_length: int, ids: list[list[int]]) -> dict:
     """Aggregate tokens/s of ``ids`` decoded in one ``generate_batch`` call (after a short warm-up batch)."""
     decoder_for(backbone, name, WARM_UP_TOKENS).generate_batch(ids)
-    results = decoder_for(backbone, name, gen_length).generate_batch(ids)
+    backbone.forward_log = []
+    try:
+        results = decoder_for(backbone, name, gen_length).generate_batch(ids)
+    finally:
+        log, backbone.forward_log = backbone.forward_log, None
     tokens = sum(r.stats.generated_tokens for r in results)
     wall = results[0].stats.batch_wall_s if len(ids) > 1 else results[0].stats.wall_s
+    PROFILES[name, len(ids)] = DecodeProfile(log, sum(r.stats.nfe for r in results), tokens, wall)
     return {"decoder": name, "batch_size": len(ids), "tokens": tokens, "wall_s": wall, "tokens_per_second": tokens / wall}
+
+
+def forward_cost(backbone: Backbone, device: str) -> dict:
+    """The cost model fitted on :data:`GPU_GRID` here, and the loop cost per sequence-forward of each decoder
+    whose batch-1 decode was recorded."""
+    model = fit(time_forwards(backbone, GPU_GRID, repeats=3), device=device, note="gpu_bench grid")
+    loop = {name: calibrate_loop(model, p) for (name, size), p in PROFILES.items() if size == 1}
+    return {"model": model.as_dict(), "loop_s": loop}
+
+
+def predictions(cost: dict) -> dict:
+    """Each recorded batch row predicted; each decoder's tokens/s predicted at :data:`PREDICT_SIZES` from its
+    batch-1 forwards in lock-step batches; ReFusion's crossover against AR."""
+    from refusion.experiments.costmodel import CostModel
+
+    model, loop = CostModel.from_dict(cost["model"]), cost["loop_s"]
+    rows = [{"decoder": name, "batch_size": size, **predict_decode(model, p, loop[name])}
+            for (name, size), p in PROFILES.items() if name in loop]
+    rates: dict[str, dict[int, float]] = {}
+    for name in loop:
+        one = PROFILES[name, 1]
+        for size in PREDICT_SIZES:
+            scaled = DecodeProfile(scale_rows(one.shapes, size), one.sequence_forwards * size, one.tokens * size, 0.0)
+            rates.setdefault(name, {})[size] = predict_decode(model, scaled, loop[name])["predicted_tokens_per_second"]
+    cross = crossover(rates["refusion"], rates["ar"]) if {"ar", "refusion"} <= set(rates) else None
+    return {"rows": rows, "lock_step": rates, "refusion_crossover": cross}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit-s", type=float, default=240.0,
                     help="skip the parts that would start after this many seconds (default 240)")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_bench"))
+    ap.add_argument("--compile", default=None, metavar="MODE",
+                    help="also time the forward under torch.compile(mode=MODE) on a few shapes (on CUDA: "
+                         "reduce-overhead for CUDA graphs)")
     a = ap.parse_args(argv)
     clock = Clock(a.time_limit_s)
     backbone = random_backbone(a.shape, a.device, getattr(torch, a.dtype))
@@ -159,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in CONFIGS:
         run(f"{name} batch 1", lambda name=name: rows.setdefault(name, measure(backbone, name, a.gen_length, ids[:a.prompts])))
+    run("forward cost", lambda: report.update(forward_cost=forward_cost(backbone, device)))
+    if a.compile:
+        run(f"compiled forward ({a.compile})", lambda: report.update(compiled=compiled_forward(backbone, a.compile)))
     for name in rows:
         run(f"{name} time outside forwards", lambda name=name: rows[name].update(
             share_outside_forwards=share_outside_forwards(backbone, name, a.gen_length, ids[:a.prompts])))
@@ -178,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run(f"{name} batch {size}", lambda name=name, size=size: batch.__setitem__(
                     (name, size), measure_batch(backbone, name, a.gen_length, ids[:size])))
+    if "forward_cost" in report:
+        report["predictions"] = predictions(report["forward_cost"])
     save()
+    print_forward_cost(report)
     if sizes:
         print("\nthroughput against batch size (the first s prompts in one batch, aggregate tokens/s)")
         print("| batch size | " + " | ".join(f"{n} tok/s" for n in CONFIGS) + " | refusion / ar |")
@@ -191,6 +263,52 @@ def main(argv: list[str] | None = None) -> int:
     if report["skipped"]:
         print(f"\nskipped after {a.time_limit_s:.0f} s (--time-limit-s): " + ", ".join(report["skipped"]))
     return 0
+
+
+def compiled_forward(backbone: Backbone, mode: str) -> dict:
+    """Median seconds of one forward of each :data:`COMPILE_GRID` shape, eager and under ``torch.compile(mode)``
+    (the same weights), with the graphs compiled; an error is reported, not raised."""
+    from torch._dynamo.utils import counters
+
+    compiled = Backbone(backbone.model, backbone.tokenizer, mask_id=backbone.mask_id, compile=mode)
+    out: dict = {"mode": mode, "shapes": [list(g) for g in COMPILE_GRID]}
+    try:
+        t0 = time.perf_counter()
+        out["compiled_s"] = [s.seconds for s in time_forwards(compiled, COMPILE_GRID, repeats=5)]
+        out["compile_and_time_s"] = time.perf_counter() - t0
+        out["graphs"] = int(counters["stats"]["unique_graphs"])
+    except Exception as e:  # a lent GPU's minutes should still return the eager figures
+        out["error"] = f"{type(e).__name__}: {e}"[:2000]
+    out["eager_s"] = [s.seconds for s in time_forwards(backbone, COMPILE_GRID, repeats=5)]
+    return out
+
+
+def print_forward_cost(report: dict) -> None:
+    from refusion.experiments.costmodel import CostModel
+
+    if "forward_cost" in report:
+        cost = report["forward_cost"]
+        model = CostModel.from_dict(cost["model"])
+        print(f"\nforward cost model on this device (fit error median {100 * model.fit_error['median']:.1f}%, "
+              f"max {100 * model.fit_error['max']:.1f}%)")
+        print(model.markdown(), end="")
+        print("loop cost per sequence-forward: " + ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in cost["loop_s"].items()))
+        pred = report["predictions"]
+        print("\n| decoder | batch | measured tok/s | predicted tok/s | error |\n|---|---|---|---|---|")
+        for r in pred["rows"]:
+            print(f"| {r['decoder']} | {r['batch_size']} | {r['measured_tokens_per_second']:.1f} | "
+                  f"{r['predicted_tokens_per_second']:.1f} | {100 * r['error']:+.1f}% |")
+        if {"ar", "refusion"} <= set(pred["lock_step"]):
+            ar, rf = pred["lock_step"]["ar"], pred["lock_step"]["refusion"]
+            print("\npredicted refusion / ar, lock-step batches: " + ", ".join(
+                f"{s}: {rf[s] / ar[s]:.2f}" for s in PREDICT_SIZES) + f"; crossover: {pred['refusion_crossover'] or '> 64'}")
+    if "compiled" in report:
+        c = report["compiled"]
+        print(f"\ncompiled forward ({c['mode']}): " + (c.get("error") or f"{c.get('graphs')} graphs"))
+        print("| shape (kind, rows, fed, past) | eager ms | compiled ms |\n|---|---|---|")
+        for i, shape in enumerate(c["shapes"]):
+            comp = f"{1e3 * c['compiled_s'][i]:.2f}" if "compiled_s" in c else "-"
+            print(f"| {', '.join(map(str, shape))} | {1e3 * c['eager_s'][i]:.2f} | {comp} |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 # The GPU check in one run (a few minutes on one CUDA device): the `gpu` tests (CPU and CUDA outputs
 # identical in float32 on the shipped models, bfloat16 decodes, no synchronisation beyond the documented
 # host reads under torch.cuda.set_sync_debug_mode) and ReFusion against AR on a random Qwen3 of 0.6B
-# shape in bfloat16, at batch 1 and in batches of 4 and 16 (aggregate tokens/s).
+# shape in bfloat16: batch 1, the forward-cost table (the cost model fitted on this GPU, its predicted
+# ReFusion / AR ratio per batch size and crossover), the forward under torch.compile with CUDA graphs
+# (mode reduce-overhead) against eager on a few shapes, then batches of 4 and 16 (aggregate tokens/s);
+# parts that would start after 240 s are skipped and named.
 # Output goes to OUT_DIR (default runs/gpu_check): pytest.log, gpu_bench.json, report.md.
 #   scripts/gpu_check.sh [OUT_DIR]        PYTHON=... to choose the interpreter (default .venv/bin/python,
 #                                         else python3 with src/ on PYTHONPATH)
@@ -25,5 +28,5 @@ export PYTHONUNBUFFERED=1
   echo '```'
   echo
   echo '## ReFusion vs AR, random Qwen3 of 0.6B shape, bfloat16'
-  "$py" scripts/gpu_bench.py --device cuda --dtype bfloat16 --shape 0.6b --out "$out" 2>&1
+  "$py" scripts/gpu_bench.py --device cuda --dtype bfloat16 --shape 0.6b --compile reduce-overhead --out "$out" 2>&1
 } | tee "$out/report.md"

@@ -36,6 +36,26 @@ def test_gpu_bench_runs_on_cpu_with_a_tiny_shape(tmp_path):
     assert batches == [("ar", 1), ("ar", 2), ("refusion", 1), ("refusion", 2)]
     ar_tokens = {r["batch_size"]: r["tokens"] for r in report["batch_rows"] if r["decoder"] == "ar"}
     assert ar_tokens == {1: 16, 2: 32}  # random weights never emit EOS: every sequence runs to gen_length
+    coef = report["forward_cost"]["model"]["coef"]
+    assert coef["fixed_causal"] > 0 and coef["fixed_ragged"] > 0 and min(coef.values()) >= 0
+    assert set(report["forward_cost"]["loop_s"]) == {"ar", "refusion"}
+    predicted = {(r["decoder"], r["batch_size"]) for r in report["predictions"]["rows"]}
+    assert predicted == {("ar", 1), ("ar", 2), ("refusion", 1), ("refusion", 2)}
+    assert set(report["predictions"]["lock_step"]["ar"]) == {"1", "2", "4", "8", "16", "32", "64"}
+
+
+@pytest.mark.slow
+def test_gpu_bench_times_the_compiled_forward(tmp_path, capsys):
+    from refusion.models.loading import cpp_compiler
+
+    if cpp_compiler() is None:
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    assert run_script("gpu_bench.py", "--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--prompts", "1",
+                      "--gen-length", "8", "--batch-sizes", "1", "--compile", "default", "--out", str(tmp_path)) == 0
+    compiled = json.loads((tmp_path / "gpu_bench.json").read_text())["compiled"]
+    assert "error" not in compiled and compiled["graphs"] >= 1
+    assert len(compiled["compiled_s"]) == len(compiled["eager_s"]) == len(compiled["shapes"]) == 4
+    assert "compiled forward (default)" in capsys.readouterr().out
 
 
 def test_gpu_bench_skips_what_would_start_after_its_time_limit(tmp_path, capsys):
@@ -43,7 +63,8 @@ def test_gpu_bench_skips_what_would_start_after_its_time_limit(tmp_path, capsys)
                       "--gen-length", "8", "--batch-sizes", "1,2", "--time-limit-s", "0", "--out", str(tmp_path)) == 0
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert report["rows"] == [] and report["batch_rows"] == []
-    assert report["skipped"] == ["ar batch 1", "refusion batch 1", "ar batch 2", "refusion batch 2"]
+    assert report["skipped"] == ["ar batch 1", "refusion batch 1", "forward cost", "ar batch 2", "refusion batch 2"]
+    assert "forward_cost" not in report and "predictions" not in report
     assert "skipped after 0 s" in capsys.readouterr().out
 
 
@@ -68,6 +89,17 @@ def test_forward_cost_prints_a_row_per_fed_width(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "16", "64"]
     assert all(float(c) > 0 for r in rows for c in r.strip("|").split("|")[1:])
+
+
+def test_forward_cost_fits_and_writes_the_cost_model(tmp_path, capsys):
+    from refusion.experiments.costmodel import FEATURES, CostModel
+
+    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8", "--fit-repeats", "1",
+                      "--json", str(tmp_path / "cost.json")) == 0
+    out = capsys.readouterr().out
+    model = CostModel.from_dict(json.loads((tmp_path / "cost.json").read_text()))
+    assert model.coef["fixed_causal"] > 0 and model.coef["fixed_ragged"] > 0 and min(model.coef.values()) >= 0
+    assert all(f"| {name} |" in out for name in FEATURES)
 
 
 def test_mdm_gap_prints_every_layout(capsys):

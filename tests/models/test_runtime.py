@@ -242,3 +242,56 @@ def test_lm_eval_model_args_take_the_runtime_options():
     assert lm.backbone.model.dtype == torch.bfloat16 and lm.backbone.model.config._attn_implementation == "eager"
     with pytest.raises(RuntimeOptionError, match="^--dtype double: "):
         RefusionLM(pretrained="tiny-ar", decoder="ar", dtype="double", device="cpu")
+
+
+# ------------------------------------------------------------------------------------ --compile
+def test_compile_modes_are_checked_naming_the_option(monkeypatch):
+    with pytest.raises(RuntimeOptionError) as e:
+        Runtime.resolve(compile="fast")
+    assert str(e.value) == ("--compile fast: unknown mode; allowed: default, reduce-overhead, max-autotune, "
+                            "max-autotune-no-cudagraphs") and e.value.option == "compile"
+    with pytest.raises(RuntimeOptionError, match=r"^--compile reduce-overhead: .*CUDA only \(device cpu\); "
+                                                 r"allowed here: default, max-autotune-no-cudagraphs$"):
+        Runtime.resolve(compile="reduce-overhead")
+    monkeypatch.setattr(loading, "cpp_compiler", lambda: None)
+    with pytest.raises(RuntimeOptionError, match=r"^--compile default: torch.compile on the CPU builds C\+\+ kernels "
+                                                 r"and no compiler .* allowed here: no --compile$"):
+        Runtime.resolve(compile="default")
+
+
+def test_compile_on_cuda_allows_cuda_graphs_without_a_host_compiler(monkeypatch, cuda_present):
+    monkeypatch.setattr(loading, "cpp_compiler", lambda: None)
+    assert Runtime.resolve(device="cuda", compile="reduce-overhead").compile == "reduce-overhead"
+
+
+def test_compile_is_left_out_of_the_serialised_runtime_when_off():
+    """Runs recorded before the option keep their manifest keys; a compiled run's key differs."""
+    assert "compile" not in Runtime.resolve().model_dump(mode="json")
+    assert Runtime.resolve(compile="default").model_dump(mode="json")["compile"] == "default"
+    assert RuntimeOptions(compile="default").as_flags() == ["--compile", "default"]
+
+
+@pytest.mark.parametrize("flags, mode", [([], None), (["--compile"], "default"),
+                                         (["--compile", "max-autotune-no-cudagraphs"], "max-autotune-no-cudagraphs")])
+def test_compile_flag(flags, mode):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    loading.add_runtime_args(p)
+    assert loading.runtime_from_args(p.parse_args(flags)).compile == mode
+
+
+def test_generate_with_a_bad_compile_mode_exits_2_naming_it(capsys):
+    rc = main(["generate", "--model", "tiny-ar", "--decoder", "ar", "--prompt", "1+1", "--compile", "fast"])
+    assert rc == 2 and "--compile fast: unknown mode" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(loading.cpp_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_from_pretrained_compiles_and_a_drafter_model_follows_its_target():
+    bb = Backbone.from_pretrained("tiny-ar", compile="default")
+    assert bb.compile == "default" and bb._call is not bb.model  # compiled at the first forward
+    dec = build_decoder(bb, {"decoder": "speculative", "k": 4, "proposer": {"name": "diffusion", "model": "tiny-block"},
+                             "gen_length": 8})
+    assert dec.proposer.draft.compile == "default"
+    eager = Backbone.from_pretrained("tiny-ar")
+    assert eager.compile is None and eager._call is eager.model

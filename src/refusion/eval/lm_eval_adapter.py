@@ -17,7 +17,7 @@ Model arguments (``model_args``; the harness also passes ``batch_size``, ``max_b
 - ``family``, ``trust_remote_code``; ``device`` (default: cuda when available), ``dtype`` (``float32`` |
   ``bfloat16`` | ``float16``; default bfloat16 on CUDA, float32 on the CPU), ``attn_implementation``
   (``sdpa`` | ``eager`` | ``flash_attention_2``), ``device_map`` (``auto``, ...: one process spread over
-  several GPUs; not with several processes), checked as :class:`~refusion.models.loading.Runtime` says;
+  several GPUs; not with several processes), ``compile`` (a ``torch.compile`` mode), checked as :class:`~refusion.models.loading.Runtime` says;
 - ``gen_length_from``: ``task`` (default: a request's ``max_gen_toks`` is the decoder's ``gen_length``,
   the config's ``gen_length`` when the task gives none) or ``config`` (always the config's ``gen_length``:
   what the ReFusion reference evaluation did);
@@ -139,6 +139,7 @@ class RefusionLM(LM):
         dtype: str | None = None,
         attn_implementation: str | None = None,
         device_map: str | dict | None = None,
+        compile: str | None = None,
         batch_size: int | str | None = 1,
         max_batch_size: int | None = None,
         trust_remote_code: bool = False,
@@ -160,7 +161,8 @@ class RefusionLM(LM):
         chunk = parse_batch_size(batch_size, max_batch_size)  # a bad value fails before a model loads
         want = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if backbone is None:  # an unknown or unavailable option fails before joining a process group
-            Runtime.resolve(device=want, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map)
+            Runtime.resolve(device=want, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map,
+                            compile=compile)
         self._rank, self._world_size, self._state = distributed_world(cpu=not want.startswith("cuda"))
         if self._world_size > 1 and device_map is not None:
             raise ConfigError(f"device_map={device_map!r} spreads one model over several devices; with "
@@ -188,7 +190,7 @@ class RefusionLM(LM):
                 validate_config(cfg)  # fail on a bad config before loading a model
             backbone = Backbone.from_pretrained(
                 pretrained, device=str(self._device), dtype=dtype, attn_implementation=attn_implementation,
-                device_map=device_map, trust_remote_code=bool(trust_remote_code), family=family,
+                device_map=device_map, trust_remote_code=bool(trust_remote_code), family=family, compile=compile,
             )
             if device_map is not None:
                 self._device = backbone.device  # where the inputs go: the embeddings' device

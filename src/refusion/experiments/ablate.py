@@ -94,7 +94,7 @@ class AblationConfig(Strict):
     plots: list[PlotSpec] = Field([], description="plots written as PNG and SVG (PlotSpec)")
     bench_config: str | None = Field(None, description="the bench config runs start from (default configs/bench.yaml)")
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
-                                    description="device, dtype, attn_implementation, device_map: over the bench "
+                                    description="device, dtype, attn_implementation, device_map, compile: over the bench "
                                                 "config's runtime, under the flags")
     batch_size: int | None = Field(None, ge=1, description="samples per Decoder.generate_batch call (default: the "
                                                            "bench config's batch_size; --batch-size overrides)")
@@ -126,8 +126,9 @@ def schema_markdown() -> str:
             if info.is_required():
                 default = "required"
             elif info.default_factory is not None:
-                default = "`" + repr(info.default_factory()).replace("RuntimeOptions(device=None, dtype=None, "
-                                                                      "attn_implementation=None, device_map=None)", "{}") + "`"
+                made = info.default_factory()
+                empty = isinstance(made, RuntimeOptions) and not made.model_dump(exclude_none=True)
+                default = "`" + ("{}" if empty else repr(made)) + "`"
             else:
                 default = f"`{info.default!r}`"
             meaning = (info.description or ("as the flag --" + fname.replace("_", "-") + " (docs/gpu.md, runtime options)"

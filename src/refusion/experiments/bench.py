@@ -48,7 +48,7 @@ class BenchConfig(BaseModel):
     decoders: dict[str, dict[str, Any]] = Field(default_factory=dict, description="row -> shared settings")
     tasks: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict, description="task -> row -> overrides")
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
-                                    description="device, dtype, attn_implementation, device_map (flags override)")
+                                    description="device, dtype, attn_implementation, device_map, compile (flags override)")
     batch_size: int = Field(1, ge=1, description="samples per Decoder.generate_batch call (--batch-size overrides)")
 
     @model_validator(mode="after")

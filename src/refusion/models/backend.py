@@ -7,12 +7,17 @@ the caller reads, keeps them on the model's device, flags non-finite logits, and
 to the lowest float, so no decoder ever emits [MASK] as a token. The KV caches the decoders run on, and
 their operations, live in :mod:`refusion.models.kvcache`; :meth:`Backbone.forward` takes any transformers
 ``Cache`` of 5.x.
+
+Two opt-in instruments: ``forward_log`` (a list) receives the :class:`ForwardShape` of every forward
+(what :mod:`refusion.experiments.costmodel` prices), and ``compile`` (a ``torch.compile`` mode) runs the
+model call compiled (:func:`compiled_call`).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,13 +26,47 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from refusion.core import host
 from refusion.core.errors import MaskTokenError
 from refusion.models.loading import resolve_model_path
-from refusion.models.kvcache import DenseCache
+from refusion.models.kvcache import DenseCache, OffsetLayer
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
 #: which fed positions' logits a forward computes: a slice, a 1-D index tensor, or None (no logits)
 LogitsAt = slice | Tensor | None
 ALL_ROWS = slice(None)
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """What one forward computed: ``rows`` sequences (cache rows) of ``fed`` new tokens each after ``past``
+    cached columns, ``logits_rows`` rows through the output head (summed over rows), and its ``kind``:
+    ``causal`` (no mask: a dense cache's causal forward), ``masked`` (a dense cache with a 4D mask:
+    bidirectional / block-causal) or ``ragged`` (a batch's shared cache, always masked). ``seconds``: the
+    model call's wall time when :attr:`Backbone.time_forwards` is on, else None."""
+
+    rows: int
+    fed: int
+    past: int
+    logits_rows: int
+    kind: str
+    seconds: float | None = None
+
+
+#: ``torch.compile``'s ``dynamic`` argument for :func:`compiled_call`: symbolic sizes from the first call, so
+#: the growing cache length and the changing widths of the decoders' forwards share one graph
+COMPILE_DYNAMIC = True
+
+
+def compiled_call(model: PreTrainedModel, mode: str):
+    """``model`` (its ``__call__``) through ``torch.compile(mode=mode, dynamic=COMPILE_DYNAMIC)``; the module
+    itself is left as it is (its weights are shared, its config and dtype read as before)."""
+    import torch._dynamo
+
+    # every distinct cache object type / layer count is one more graph; the default limit (8) would make
+    # a long-running process fall back to eager without a word
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+    setattr(config, limit, max(getattr(config, limit), 64))
+    return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -62,8 +101,12 @@ class Backbone:
         logits_shifted: bool = False,
         family: str | None = None,
         mask_required: bool = True,
+        compile: str | None = None,
     ) -> None:
         self.model = model.eval()
+        #: the ``torch.compile`` mode the forwards run under (None: eager); see :func:`compiled_call`
+        self.compile = compile
+        self._call = compiled_call(self.model, compile) if compile is not None else self.model
         self.tokenizer = tokenizer
         #: name of the model family (see :mod:`refusion.models.families`), when loaded through one
         self.family = family
@@ -96,6 +139,8 @@ class Backbone:
         #: wall time to ``forward_s`` (``refusion profile``); off for decoding, where it would cost two syncs
         self.time_forwards = False
         self.forward_s = 0.0
+        #: when a list, every forward appends its :class:`ForwardShape` (the cost model's input); None: off
+        self.forward_log: list[ForwardShape] | None = None
         self._finite = torch.ones((), dtype=torch.bool, device=self.device)
 
     @property
@@ -116,21 +161,22 @@ class Backbone:
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | str | None = None,
         trust_remote_code: bool = False, family: str | None = None, attn_implementation: str | None = None,
-        device_map: str | dict | None = None,
+        device_map: str | dict | None = None, compile: str | None = None,
     ) -> "Backbone":
         """Load a local folder / shipped checkpoint; its family (detected from ``config.json``, or ``family``)
         decides attention, mask id, logits shift and EOS ids (:mod:`refusion.models.families`). ``dtype``,
-        ``attn_implementation`` and ``device_map`` default as :class:`~refusion.models.loading.Runtime`
-        says (bfloat16 on CUDA, float32 on CPU; sdpa) and are checked there with errors naming the option."""
+        ``attn_implementation``, ``device_map`` and ``compile`` default as
+        :class:`~refusion.models.loading.Runtime` says (bfloat16 on CUDA, float32 on CPU; sdpa; eager) and
+        are checked there with errors naming the option."""
         from refusion.models import checkpoint, families
         from refusion.models.loading import Runtime
 
         runtime = Runtime.resolve(device=device, dtype=dtype, attn_implementation=attn_implementation,
-                                  device_map=device_map)
+                                  device_map=device_map, compile=compile)
         path = resolve_model_path(name_or_path)
         fam = families.resolve_family(path, family)
         model, tokenizer = checkpoint.load_model(path, fam, runtime=runtime, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, **families.backbone_kwargs(fam, model, tokenizer))
+        return cls(model, tokenizer, **families.backbone_kwargs(fam, model, tokenizer), compile=runtime.compile)
 
     # ------------------------------------------------------------------ checks
     def check_length(self, prompt_len: int, gen_length: int) -> None:
@@ -186,13 +232,20 @@ class Backbone:
         if self.time_forwards:
             self.synchronize()
             t0 = time.perf_counter()
-        out = self.model(
+        out = self._call(
             input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
             logits_to_keep=rows,
         )
+        seconds = None
         if self.time_forwards:
             self.synchronize()
-            self.forward_s += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.forward_s += seconds
+        if self.forward_log is not None:
+            kind = ("ragged" if cache is not None and cache.layers and isinstance(cache.layers[0], OffsetLayer)
+                    else "causal" if attn_mask is None else "masked")
+            n_rows = rows.numel() if isinstance(rows, Tensor) else (T if rows == 0 else rows)
+            self.forward_log.append(ForwardShape(int(ids.shape[0]), T, past, int(ids.shape[0]) * n_rows, kind, seconds))
         self.nfe += 1
         self.tokens_in += ids.numel()
         if cache is not None and not keep_kv and cache.get_seq_length() > past:

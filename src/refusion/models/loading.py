@@ -13,11 +13,12 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializerFunctionWrapHandler, model_serializer
 
 from refusion.core.config import ConfigError
 
@@ -72,6 +73,10 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+#: ``torch.compile`` modes of ``--compile`` (``default``: inductor without CUDA graphs; the ``reduce-overhead``
+#: and ``max-autotune`` modes add CUDA graphs, so they need CUDA)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class RuntimeOptionError(ConfigError):
@@ -130,6 +135,26 @@ def _map_uses_cuda(device_map: str | dict[str, Any]) -> bool:
     return device_map.startswith("cuda")
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would call (``$CXX``, else ``g++``), when it is on the PATH."""
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def _check_compile(value: str, device: str, on_cuda: bool) -> str:
+    """A ``torch.compile`` mode this machine can run; else a :class:`RuntimeOptionError` naming ``--compile``."""
+    if value not in COMPILE_MODES:
+        raise RuntimeOptionError("compile", value, f"unknown mode; allowed: {', '.join(COMPILE_MODES)}")
+    here = [m for m in COMPILE_MODES if on_cuda or m not in CUDA_GRAPH_MODES]
+    if value in CUDA_GRAPH_MODES and not on_cuda:
+        raise RuntimeOptionError("compile", value, f"this mode records CUDA graphs, which run on CUDA only (device "
+                                                   f"{device}); allowed here: {', '.join(here)}")
+    if not on_cuda and cpp_compiler() is None:
+        raise RuntimeOptionError("compile", value, f"torch.compile on the CPU builds C++ kernels and no compiler "
+                                                   f"({os.environ.get('CXX') or 'g++'}; set $CXX) is on the PATH; "
+                                                   "allowed here: no --compile")
+    return value
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``float32`` / ``bfloat16`` / ``float16`` for a torch dtype or its name (``torch.`` prefix allowed)."""
     name = str(dtype).removeprefix("torch.")
@@ -153,6 +178,8 @@ class Runtime(BaseModel):
       ``flash_attn`` package, CUDA and float16 / bfloat16).
     - ``device_map``: accelerate's placement over several devices (``auto``, ``balanced``, ...,
       a device, or a mapping module name -> device), for models larger than one device; None: one device.
+    - ``compile``: a ``torch.compile`` mode (:data:`COMPILE_MODES`) for the model's forward, or None (eager);
+      left out of the serialised form when None, so records made before the option keep their keys.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -161,12 +188,21 @@ class Runtime(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     device_map: str | dict[str, Any] | None = None
+    compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
     _attn_requested: bool = PrivateAttr(default=False)
+
+    @model_serializer(mode="wrap")
+    def _without_eager_compile(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("compile", 0) is None:
+            out.pop("compile")
+        return out
 
     @classmethod
     def resolve(
         cls, device: str | torch.device | None = "cpu", dtype: torch.dtype | str | None = None,
         attn_implementation: str | None = None, device_map: str | dict[str, Any] | None = None,
+        compile: str | None = None,
     ) -> "Runtime":
         """Fill the defaults and check every option against this machine; a :class:`RuntimeOptionError`
         names the first option that is unknown or unavailable and what is allowed. ``device`` None is cpu."""
@@ -190,7 +226,9 @@ class Runtime(BaseModel):
             if name == "float32":
                 raise RuntimeOptionError("attn_implementation", attn, "flash attention runs in float16 or bfloat16 "
                                          f"only (dtype float32); use --dtype bfloat16, or one of: {where}")
-        runtime = cls(device=device, dtype=name, attn_implementation=attn, device_map=device_map)
+        if compile is not None:
+            compile = _check_compile(str(compile), device, on_cuda)
+        runtime = cls(device=device, dtype=name, attn_implementation=attn, device_map=device_map, compile=compile)
         runtime._attn_requested = attn_implementation is not None
         return runtime
 
@@ -224,6 +262,7 @@ class RuntimeOptions(BaseModel):
     dtype: str | None = None
     attn_implementation: str | None = None
     device_map: str | dict[str, Any] | None = None
+    compile: str | None = None
 
     def override(self, other: "RuntimeOptions | None") -> "RuntimeOptions":
         """These options with every option ``other`` sets replacing this one's."""
@@ -243,8 +282,8 @@ class RuntimeOptions(BaseModel):
 
 
 def add_runtime_args(p: argparse.ArgumentParser, device_help: str = "cpu, cuda or cuda:N (default cpu)") -> None:
-    """Add ``--device``, ``--dtype``, ``--attn-implementation``, ``--device-map`` to ``p`` (each default None:
-    :class:`Runtime` fills it)."""
+    """Add ``--device``, ``--dtype``, ``--attn-implementation``, ``--device-map``, ``--compile`` to ``p`` (each
+    default None: :class:`Runtime` fills it)."""
     p.add_argument("--device", default=None, help=device_help)
     p.add_argument("--dtype", default=None,
                    help=f"{', '.join(DTYPES)} (default: bfloat16 when the weights go to CUDA, else float32)")
@@ -253,6 +292,10 @@ def add_runtime_args(p: argparse.ArgumentParser, device_help: str = "cpu, cuda o
     p.add_argument("--device-map", default=None,
                    help="spread a model over devices with accelerate: auto, balanced, balanced_low_0, sequential, "
                         "or a JSON mapping of module name -> device (default: the whole model on --device)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="run the model forward through torch.compile: default (the mode without a value), "
+                        "max-autotune-no-cudagraphs, or on CUDA reduce-overhead / max-autotune (CUDA graphs); "
+                        "needs a C++ compiler on the CPU (default: eager)")
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
@@ -264,7 +307,8 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
         except json.JSONDecodeError as e:
             raise RuntimeOptionError("device_map", device_map, f"not a JSON mapping ({e})") from None
     return RuntimeOptions(device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
-                          attn_implementation=getattr(args, "attn_implementation", None), device_map=device_map)
+                          attn_implementation=getattr(args, "attn_implementation", None), device_map=device_map,
+                          compile=getattr(args, "compile", None))
 
 
 def load_pretrained(

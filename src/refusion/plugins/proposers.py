@@ -75,10 +75,10 @@ class NgramProposer(Proposer):
 
 
 @lru_cache(maxsize=4)
-def _load(name: str, device: str, dtype: torch.dtype):
+def _load(name: str, device: str, dtype: torch.dtype, compile: str | None = None):
     from refusion.models.backend import Backbone
 
-    return Backbone.from_pretrained(name, device=device, dtype=dtype)
+    return Backbone.from_pretrained(name, device=device, dtype=dtype, compile=compile)
 
 
 class _DraftModelProposer(Proposer):
@@ -97,7 +97,7 @@ class _DraftModelProposer(Proposer):
 
     def bind(self, backbone):
         bound = self if self.draft is not None else self.with_backbone(
-            _load(self.options.model, str(backbone.device), backbone.model.dtype))
+            _load(self.options.model, str(backbone.device), backbone.model.dtype, getattr(backbone, "compile", None)))
         if isinstance(self, DiffusionProposer) and bound.draft.logits_shifted:
             raise ValueError(f"proposer {self.options.model!r}: a drafter with shifted logits (Dream-style) is not "
                              "supported yet")

@@ -1,0 +1,297 @@
+"""The forward cost model: what one model call costs from its shape, and what a decode's forwards cost.
+
+A forward (:class:`~refusion.models.backend.ForwardShape`: ``rows`` sequences of ``fed`` new tokens after
+``past`` cached columns, ``logits_rows`` rows through the output head, its ``kind``) costs
+
+    t = fixed[kind] + token * rows*fed + key * rows*(past+fed) + pair * rows*fed*(past+fed) + logit * logits_rows
+
+seconds: a fixed per-call cost (Python, dispatch, kernel launches; one per kind, since a ragged batch's
+call builds a mask and gathers rows that a dense causal call does not), per-token compute (the layers'
+matmuls), per key read (the KV each row attends over, and the ragged cache's gather of it), per
+query-key pair (the attention scores) and per logits row (the output head over the vocabulary).
+:func:`fit` finds the non-negative coefficients from timed forwards (:func:`measure`, as
+``scripts/forward_cost.py`` runs it) by least squares on the relative error. A decode's time is then its
+forwards' costs plus its loop's own work outside them, ``loop`` seconds per sequence-forward (a
+sequence taking part in a forward: Python that steps the decoder, reads the host, builds requests),
+one constant per decoder calibrated on batch-1 decodes (:func:`calibrate_loop`), so the predicted
+throughput at any batch size follows from the decode's counted forwards (:func:`predict_decode`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from refusion.models.backend import ForwardShape
+
+if TYPE_CHECKING:
+    from refusion.models.backend import Backbone
+
+KINDS = ("causal", "masked", "ragged")
+#: coefficient names, in feature order: a fixed cost per kind, then the per-unit costs
+FEATURES = ("fixed_causal", "fixed_masked", "fixed_ragged", "token", "key", "pair", "logit")
+
+
+def features(shape: ForwardShape) -> list[float]:
+    """The feature vector of one forward (:data:`FEATURES` order)."""
+    if shape.kind not in KINDS:
+        raise ValueError(f"kind: {shape.kind!r} is not one of {KINDS}")
+    keys = shape.past + shape.fed
+    return [float(shape.kind == k) for k in KINDS] + [
+        float(shape.rows * shape.fed), float(shape.rows * keys), float(shape.rows * shape.fed * keys),
+        float(shape.logits_rows)]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per forward from its shape: ``coef[name]`` per :data:`FEATURES` name; ``device`` and
+    ``note`` say where the coefficients come from."""
+
+    coef: dict[str, float]
+    device: str = ""
+    note: str = ""
+    fit_error: dict[str, float] = field(default_factory=dict)  # relative error of the fit: median, max
+
+    def __post_init__(self) -> None:
+        missing = [f for f in FEATURES if f not in self.coef]
+        if missing:
+            raise ValueError(f"coef: missing {missing}; a cost model has one coefficient per {FEATURES}")
+
+    def predict(self, shape: ForwardShape) -> float:
+        return float(np.dot(features(shape), [self.coef[f] for f in FEATURES]))
+
+    def fixed(self, shape: ForwardShape) -> float:
+        """The fixed (per-call) part of :meth:`predict`."""
+        return self.coef[f"fixed_{shape.kind}"]
+
+    def total(self, shapes: Iterable[ForwardShape]) -> tuple[float, float]:
+        """``(seconds, of which fixed)`` of a sequence of forwards."""
+        shapes = list(shapes)
+        return sum(map(self.predict, shapes)), sum(map(self.fixed, shapes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        return cls(coef={k: float(v) for k, v in data["coef"].items()}, device=data.get("device", ""),
+                   note=data.get("note", ""), fit_error=dict(data.get("fit_error", {})))
+
+    def markdown(self) -> str:
+        """The coefficients as a table, in readable units."""
+        units = {"fixed_causal": ("ms per call, dense causal", 1e3), "fixed_masked": ("ms per call, dense masked", 1e3),
+                 "fixed_ragged": ("ms per call, ragged batch", 1e3), "token": ("us per token fed", 1e6),
+                 "key": ("ns per key attended over (per row)", 1e9), "pair": ("ns per query-key pair", 1e9),
+                 "logit": ("us per logits row", 1e6)}
+        lines = ["| term | value | unit |", "|---|---|---|"]
+        lines += [f"| {name} | {self.coef[name] * units[name][1]:.4g} | {units[name][0]} |" for name in FEATURES]
+        return "\n".join(lines) + "\n"
+
+
+def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> CostModel:
+    """The :class:`CostModel` whose non-negative coefficients minimise the squared relative error over
+    ``shapes`` (each with ``seconds``). Exact non-negative least squares: every subset of the features
+    the data exercise is solved unconstrained and the best feasible one kept (7 features: 127 solves).
+    A feature no shape exercises (a kind never measured) gets coefficient 0."""
+    timed = [s for s in shapes if s.seconds is not None and s.seconds > 0]
+    if len(timed) < 2:
+        raise ValueError(f"shapes: need at least 2 timed forwards to fit, got {len(timed)}")
+    a = np.array([features(s) for s in timed])  # [n, F]
+    t = np.array([s.seconds for s in timed])
+    a_rel = a / t[:, None]  # relative error: (a c - t) / t = a_rel c - 1
+    used = [j for j in range(a.shape[1]) if a[:, j].any()]
+    best, best_res = None, np.inf
+    for k in range(1, len(used) + 1):
+        for subset in itertools.combinations(used, k):
+            cols = list(subset)
+            sol, *_ = np.linalg.lstsq(a_rel[:, cols], np.ones(len(t)), rcond=None)
+            if (sol < 0).any():
+                continue
+            res = float(np.sum((a_rel[:, cols] @ sol - 1) ** 2))
+            if res < best_res - 1e-15:
+                best, best_res = (cols, sol), res
+    coef = np.zeros(len(FEATURES))
+    if best is not None:
+        coef[best[0]] = best[1]
+    rel = np.abs(a @ coef - t) / t
+    return CostModel(coef=dict(zip(FEATURES, map(float, coef))), device=device, note=note,
+                     fit_error={"median": float(np.median(rel)), "max": float(rel.max())})
+
+
+# ------------------------------------------------------------------------------------ measurement
+#: the default grid of :func:`measure`: (kind, rows, fed, past, logits), logits ``last`` (the last fed
+#: position per row: what AR-like steps read) or ``all`` (every fed position: what a diffusion step reads),
+#: so the per-logits-row cost is told apart from the per-token one
+GRID = tuple(
+    [("causal", 1, fed, past, "last") for fed in (1, 4, 16, 64) for past in (32, 160, 320)]
+    + [("causal", 1, fed, past, "all") for fed in (16, 64) for past in (32, 320)]
+    + [("causal", rows, fed, 160, logits) for rows in (4, 16) for fed in (1, 16) for logits in ("last", "all")
+       if fed > 1 or logits == "last"]
+    + [("masked", 1, fed, past, "last") for fed in (1, 16, 64) for past in (32, 160, 320)]
+    + [("masked", 1, fed, past, "all") for fed in (16, 64) for past in (32, 320)]
+    + [("ragged", rows, fed, past, "last") for rows in (1, 4, 16) for fed in (1, 4, 16, 64) for past in (32, 160)]
+    + [("ragged", rows, fed, 160, "all") for rows in (1, 4, 16) for fed in (16, 64)]
+    + [("ragged", 64, 1, 160, "last"), ("ragged", 64, 16, 160, "last"), ("ragged", 64, 16, 160, "all")]
+)
+
+
+def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logits_all: bool):
+    """A zero-argument callable running one forward of that shape through the decoders' own caches (the
+    cost of the cache's bookkeeping included), keeping no KV, so it can repeat."""
+    import torch
+
+    from refusion.core.loop import CAUSAL, FULL, ForwardRequest
+    from refusion.models.kvcache import RaggedCache
+
+    gen = torch.Generator().manual_seed(rows * 1000 + fed * 10 + past)
+    vocab = min(int(bb.model.config.vocab_size), 500)
+
+    def ids(n: int, r: int = 1):
+        return torch.randint(10, vocab, (r, n), generator=gen)
+
+    def pos(start: int, n: int, r: int = 1):
+        return torch.arange(start, start + n).expand(r, n)
+
+    logits_at = slice(None) if logits_all else [fed - 1]
+    if kind in ("causal", "masked"):
+        cache = bb.new_cache()
+        cache.forward(ForwardRequest(cache, ids(past), pos(0, past), logits_at=None))
+        cache.repeat_rows(rows)
+        attention = FULL if kind == "masked" else CAUSAL
+        request = ForwardRequest(cache, ids(fed, rows), pos(past, fed, rows), keep_kv=False, attention=attention,
+                                 logits_at=logits_at)
+        return lambda: cache.forward(request)
+    shared = RaggedCache(bb)
+    views = [shared.new_view() for _ in range(rows)]
+    shared.forward([ForwardRequest(v, ids(past), pos(0, past), logits_at=None) for v in views])
+    requests = [ForwardRequest(v, ids(fed), pos(past, fed), keep_kv=False, logits_at=logits_at) for v in views]
+    return lambda: shared.forward(requests)
+
+
+def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
+            clock: Callable[[], float] = time.perf_counter) -> list[ForwardShape]:
+    """Time one forward of every ``(kind, rows, fed, past[, logits])`` of ``grid`` (logits ``last`` when not
+    given) through the decoders' caches: ``repeats`` rounds, each timing every shape once in grid order
+    (interleaved, so machine noise hits all alike), after one untimed round; the median per shape.
+    ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time (one torch
+    thread on a CPU shared with other processes: the work, not the waiting)."""
+    grid = [(*g, "last") if len(g) == 4 else tuple(g) for g in grid]
+    bad = [g for g in grid if g[4] not in ("last", "all")]
+    if bad:
+        raise ValueError(f"grid: logits must be 'last' or 'all', got {bad[0]}")
+    calls = [forward_call(bb, kind, rows, fed, past, logits == "all") for kind, rows, fed, past, logits in grid]
+    for call in calls:  # warm-up: allocator pools, one-off paths
+        call()
+    times: list[list[float]] = [[] for _ in grid]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            bb.synchronize()
+            t0 = clock()
+            call()
+            bb.synchronize()
+            times[i].append(clock() - t0)
+    return [ForwardShape(rows, fed, past, rows * (fed if logits == "all" else 1), kind, statistics.median(ts))
+            for (kind, rows, fed, past, logits), ts in zip(grid, times)]
+
+
+# ------------------------------------------------------------------------------------ decodes
+@dataclass
+class DecodeProfile:
+    """What a set of decodes did: the model calls (``shapes``, from :attr:`Backbone.forward_log` of every
+    backbone the decoder used), ``sequence_forwards`` (the sum over decoded samples of the forwards each
+    took part in: its ``nfe``), the generated ``tokens`` and the measured ``wall_s``."""
+
+    shapes: list[ForwardShape]
+    sequence_forwards: int
+    tokens: int
+    wall_s: float
+
+
+def calibrate_loop(model: CostModel, profile: DecodeProfile) -> float:
+    """Seconds of loop work per sequence-forward: the part of ``profile``'s wall time its forwards'
+    predicted costs leave, over its sequence-forwards (at least 0)."""
+    forwards, _ = model.total(profile.shapes)
+    return max(0.0, (profile.wall_s - forwards) / max(1, profile.sequence_forwards))
+
+
+def predict_decode(model: CostModel, profile: DecodeProfile, loop_s: float) -> dict[str, float]:
+    """Predicted seconds and tokens/s of ``profile``'s decodes: its forwards' costs plus ``loop_s`` per
+    sequence-forward; with the measured figures and the relative error of the predicted tokens/s."""
+    forwards, fixed = model.total(profile.shapes)
+    seconds = forwards + loop_s * profile.sequence_forwards
+    predicted = profile.tokens / seconds
+    measured = profile.tokens / profile.wall_s if profile.wall_s else float("nan")
+    return {"predicted_s": seconds, "forward_s": forwards, "fixed_s": fixed, "loop_s": loop_s * profile.sequence_forwards,
+            "predicted_tokens_per_second": predicted, "measured_tokens_per_second": measured,
+            "error": predicted / measured - 1 if measured else float("nan"), "calls": len(profile.shapes)}
+
+
+def scale_rows(shapes: Iterable[ForwardShape], factor: float) -> list[ForwardShape]:
+    """``shapes`` with every call's rows (and logits rows) multiplied by ``factor`` (at least 1 row): a
+    batch ``factor`` times larger decoding in lock-step, the same calls each carrying more sequences."""
+    return [ForwardShape(max(1, round(s.rows * factor)), s.fed, s.past, max(0, round(s.logits_rows * factor)),
+                         s.kind) for s in shapes]
+
+
+def crossover(rates: dict[int, float], ar_rates: dict[int, float]) -> int | None:
+    """The smallest batch size at which AR's tokens/s reaches the decoder's (None: not at any size given)."""
+    for size in sorted(set(rates) & set(ar_rates)):
+        if ar_rates[size] >= rates[size]:
+            return size
+    return None
+
+
+# ------------------------------------------------------------------------------------ a GPU by assumption
+#: an H100 SXM: dense bfloat16 tensor throughput (FLOP/s) and HBM bandwidth (bytes/s), from its data sheet
+H100 = {"flops": 989e12, "bandwidth": 3.35e12}
+#: Qwen3-0.6B's shape (scripts/gpu_bench.py's ``0.6b``)
+QWEN3_0_6B = {"hidden": 1024, "intermediate": 3072, "layers": 28, "heads": 16, "kv_heads": 8, "head_dim": 128,
+              "vocab": 151936}
+#: the fixed per-call cost of an eager forward of that shape measured on an H200 (docs/gpu.md: AR at 25.7
+#: tokens/s, 1.6% of its time outside forwards: 38.3 ms per forward); host-bound, so taken for an H100 too
+EAGER_FIXED_S = 38.3e-3
+#: the fixed per-call cost assumed for a forward replayed as a CUDA graph (``--compile reduce-overhead`` with
+#: static shapes): one graph launch and the host's own work per call, an assumption for the GPU check to test
+GRAPH_FIXED_S = 1.0e-3
+
+
+def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, efficiency: float = 0.5,
+             bytes_per_value: int = 2, device: str = "H100 (assumed)") -> CostModel:
+    """A :class:`CostModel` for a transformer of ``shape`` on ``gpu`` by arithmetic, not measurement: per token
+    fed 2 FLOP per layer weight, per logits row 2 FLOP per head weight, per query-key pair 4 FLOP per head
+    dimension per head per layer (scores and the weighted sum), all at ``efficiency`` of the peak; per key
+    attended over, its K and V read from memory per row; the fixed cost ``fixed_s`` per call of every kind
+    (plus reading the weights once: the memory floor)."""
+    h, layers = shape["hidden"], shape["layers"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    layer_weights = h * q + 2 * h * kv + q * h + 3 * h * shape["intermediate"]
+    flops = gpu["flops"] * efficiency
+    weights_bytes = (layers * layer_weights + shape["vocab"] * h) * bytes_per_value
+    fixed = fixed_s + weights_bytes / gpu["bandwidth"]
+    coef = {"fixed_causal": fixed, "fixed_masked": fixed, "fixed_ragged": fixed,
+            "token": 2 * layers * layer_weights / flops, "logit": 2 * shape["vocab"] * h / flops,
+            "pair": 4 * shape["head_dim"] * shape["heads"] * layers / flops,
+            "key": 2 * kv * layers * bytes_per_value / gpu["bandwidth"]}
+    return CostModel(coef=coef, device=device,
+                     note=f"roofline at {efficiency:.0%} of peak, fixed {1e3 * fixed_s:.2f} ms + weights read")
+
+
+def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop_s: float,
+                    sizes: Sequence[int] = (1, 4, 16, 32, 64)) -> dict[int, float]:
+    """Predicted tokens/s at each of ``sizes``: from the profile recorded at that batch size, else from the
+    largest recorded one below it with every call carrying proportionally more sequences (lock-step)."""
+    out = {}
+    for size in sizes:
+        base = size if size in profiles else max((b for b in profiles if b <= size), default=None)
+        if base is None:
+            continue
+        p, factor = profiles[base], size / base
+        scaled = p if factor == 1 else DecodeProfile(scale_rows(p.shapes, factor), round(p.sequence_forwards * factor),
+                                                     round(p.tokens * factor), 0.0)
+        out[size] = predict_decode(model, scaled, loop_s)["predicted_tokens_per_second"]
+    return out

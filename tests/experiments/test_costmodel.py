@@ -1,0 +1,107 @@
+"""The forward cost model: the fit recovers known coefficients, decode predictions add up, and the
+backbone's forward log records what each forward computed."""
+
+import numpy as np
+import pytest
+import torch
+
+from refusion.core.loop import FULL, ForwardRequest
+from refusion.experiments.costmodel import (
+    FEATURES, GRID, CostModel, DecodeProfile, calibrate_loop, crossover, features, fit, predict_decode, scale_rows,
+)
+from refusion.models.backend import ForwardShape
+from refusion.models.kvcache import RaggedCache
+
+KNOWN = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_ragged": 4.2e-3, "token": 1.1e-4, "key": 2e-7,
+         "pair": 3e-9, "logit": 6e-6}
+
+
+def synthetic(coef: dict[str, float], noise: float = 0.0, seed: int = 0) -> list[ForwardShape]:
+    """The default grid's shapes, timed by ``coef`` with multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    truth = CostModel(coef)
+    out = []
+    for kind, rows, fed, past, logits in GRID:
+        n = rows * (fed if logits == "all" else 1)
+        s = ForwardShape(rows, fed, past, n, kind)
+        out.append(ForwardShape(rows, fed, past, n, kind, truth.predict(s) * (1 + noise * rng.standard_normal())))
+    return out
+
+
+def test_fit_recovers_known_coefficients():
+    model = fit(synthetic(KNOWN))
+    for name in FEATURES:
+        assert model.coef[name] == pytest.approx(KNOWN[name], rel=1e-6), name
+    assert model.fit_error["max"] < 1e-9
+
+
+def test_fit_with_noise_recovers_the_fixed_costs_and_per_token_cost():
+    model = fit(synthetic(KNOWN, noise=0.02, seed=1))
+    for name in ("fixed_causal", "fixed_masked", "fixed_ragged", "token"):
+        assert model.coef[name] == pytest.approx(KNOWN[name], rel=0.1), name
+    assert all(v >= 0 for v in model.coef.values())
+    assert model.fit_error["median"] < 0.03
+
+
+def test_fit_keeps_coefficients_non_negative():
+    """Times that an unconstrained fit would explain with a negative per-key cost get 0 there."""
+    coef = {**KNOWN, "key": 0.0}
+    shapes = synthetic(coef)
+    shapes = [ForwardShape(s.rows, s.fed, s.past, s.logits_rows, s.kind, s.seconds * (1 - 1e-4 * s.past)) for s in shapes]
+    model = fit(shapes)
+    assert min(model.coef.values()) >= 0 and model.coef["key"] == 0.0
+
+
+def test_fit_leaves_an_unmeasured_kind_at_zero_and_needs_two_timed_forwards():
+    shapes = [s for s in synthetic(KNOWN) if s.kind == "causal"]
+    model = fit(shapes)
+    assert model.coef["fixed_ragged"] == 0.0 and model.coef["fixed_causal"] == pytest.approx(KNOWN["fixed_causal"])
+    with pytest.raises(ValueError, match="shapes: need at least 2 timed forwards"):
+        fit(shapes[:1])
+
+
+def test_features_and_model_validation_name_the_field():
+    with pytest.raises(ValueError, match="kind: 'sparse'"):
+        features(ForwardShape(1, 1, 0, 1, "sparse"))
+    with pytest.raises(ValueError, match="coef: missing"):
+        CostModel({"token": 1.0})
+    s = ForwardShape(rows=2, fed=3, past=5, logits_rows=2, kind="ragged")
+    assert features(s) == [0, 0, 1, 6, 16, 48, 2]
+
+
+def test_decode_prediction_adds_forward_costs_and_loop_cost():
+    model = CostModel(KNOWN)
+    shapes = [ForwardShape(1, 1, 10, 1, "causal"), ForwardShape(4, 8, 20, 4, "ragged")]
+    forwards = sum(model.predict(s) for s in shapes)
+    profile = DecodeProfile(shapes, sequence_forwards=5, tokens=12, wall_s=forwards + 5 * 1e-3)
+    loop = calibrate_loop(model, profile)
+    assert loop == pytest.approx(1e-3)
+    pred = predict_decode(model, profile, loop)
+    assert pred["predicted_s"] == pytest.approx(profile.wall_s) and pred["error"] == pytest.approx(0, abs=1e-12)
+    assert pred["fixed_s"] == pytest.approx(KNOWN["fixed_causal"] + KNOWN["fixed_ragged"])
+    assert CostModel.from_dict(model.as_dict()) == model
+
+
+def test_scale_rows_and_crossover():
+    assert scale_rows([ForwardShape(4, 8, 20, 4, "ragged")], 4) == [ForwardShape(16, 8, 20, 16, "ragged")]
+    assert crossover({1: 4.0, 4: 2.0, 16: 0.9}, {1: 1.0, 4: 1.5, 16: 1.0}) == 16
+    assert crossover({1: 4.0, 4: 2.0}, {1: 1.0, 4: 1.5}) is None
+
+
+def test_forward_log_records_each_kind(backbone):
+    backbone.forward_log = []
+    cache = backbone.new_cache()
+    cache.forward(ForwardRequest(cache, torch.tensor([5, 6, 7]), torch.arange(3), logits_at=None))
+    cache.forward(ForwardRequest(cache, torch.tensor([8, 9]), torch.arange(3, 5), keep_kv=False, logits_at=[1]))
+    cache.forward(ForwardRequest(cache, torch.tensor([8, 9]), torch.arange(3, 5), keep_kv=False, attention=FULL))
+    shared = RaggedCache(backbone)
+    views = [shared.new_view() for _ in range(2)]
+    shared.forward([ForwardRequest(v, torch.tensor([5, 6, 7, 8][: 3 + i]), torch.arange(3 + i), logits_at=None)
+                    for i, v in enumerate(views)])
+    log = backbone.forward_log
+    assert [(s.kind, s.rows, s.fed, s.past, s.logits_rows) for s in log] == [
+        ("causal", 1, 3, 0, 0), ("causal", 1, 2, 3, 1), ("masked", 1, 2, 3, 2), ("ragged", 2, 4, 0, 0)]
+    assert all(s.seconds is None for s in log)  # forwards were not timed
+    backbone.forward_log, backbone.time_forwards = [], True
+    cache.forward(ForwardRequest(cache, torch.tensor([8]), torch.arange(3, 4)))
+    assert backbone.forward_log[0].seconds > 0
