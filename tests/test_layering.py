@@ -30,7 +30,7 @@ def test_no_library_module_imports_the_cli():
 
 #: package -> its layer; a module imports only from its own layer or below (type-only imports excepted)
 LAYERS = {"core": 0, "models": 1, "plugins": 2, "decoders": 2, "tasks": 2, "experiments": 3, "eval": 3,
-          "training": 3, "testing": 3, "cli": 4, "__main__": 4}
+          "training": 3, "testing": 3, "serve": 3, "cli": 4, "__main__": 4}
 
 
 def runtime_imports(path: Path, with_names: bool = False) -> list[tuple[str, int]]:
