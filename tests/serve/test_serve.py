@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import threading
 import time
 
 import pytest
@@ -102,9 +101,10 @@ def test_completions_and_chat_are_the_offline_decode(server, client):
 def test_a_stream_sends_the_final_text_in_pieces(server, client):
     model, config = SERVED["refusion"]
     tok = offline_backbone(model).tokenizer
-    want = offline(model, config, chat_ids(model, QUERIES[2]))
+    want = offline(model, config, chat_ids(model, QUERIES[2]), gen_length=160, slot_size=4)
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[2]}],
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True}, max_tokens=160,
+                                            extra_body={"refusion": {"slot_size": 4}})
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     ids = [t for c in chunks for t in (c.model_extra.get("refusion") or {}).get("token_ids", [])]
@@ -124,7 +124,7 @@ def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
         try:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             extra = {"refusion": [{"slot_size": 4}, {}], "llada": [{"block_length": 4}, {}],
-                     "block": [{"selector": {"threshold": 0.5}}, {}], "ar": [{}, {}]}[name]
+                     "block": [{"selector": {"name": "confidence_threshold", "threshold": 0.5}}, {}], "ar": [{}, {}]}[name]
             jobs = [(q, extra[i % 2], 8 + 8 * (i % 3)) for i, q in enumerate(QUERIES)]
 
             def ask(job):
@@ -161,10 +161,10 @@ def test_temperature_and_seed_reach_the_drafter(server, client):
     model, config = SERVED["refusion"]
     prompt = chat_ids(model, QUERIES[4])
     sampled = [client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[4]}],
-                                              temperature=2.0, seed=s).model_extra["refusion"]["token_ids"]
+                                              temperature=30.0, seed=s).model_extra["refusion"]["token_ids"]
                for s in (1, 2)]
     for s, ids in zip((1, 2), sampled):
-        assert ids == offline(model, config, prompt, seed=s, drafter={"name": "gumbel", "temperature": 2.0})
+        assert ids == offline(model, config, prompt, seed=s, drafter={"name": "gumbel", "temperature": 30.0})
     assert sampled[0] != sampled[1]
 
 
@@ -311,8 +311,8 @@ def test_a_request_over_its_timeout_gets_a_504_and_the_server_goes_on():
                           json.dumps({"model": model, "prompt": "1 + 2 =", "max_tokens": 480}).encode())
         assert got == 504 and "timed out" in json.loads(answer)["error"]["message"]
         got, answer = raw(srv.url, "POST", "/v1/completions",
-                          json.dumps({"model": model, "prompt": "1 + 2 =", "max_tokens": 3}).encode())
-        assert got == 200 and len(json.loads(answer)["refusion"]["token_ids"]) == 3
+                          json.dumps({"model": model, "prompt": "1 + 2 =", "max_tokens": 1}).encode())
+        assert got == 200 and len(json.loads(answer)["refusion"]["token_ids"]) == 1
         assert srv.state.engine.cache.lengths == []
     finally:
         srv.stop()
@@ -343,9 +343,10 @@ def test_shutdown_finishes_what_is_queued_and_running_then_refuses():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(ask, q) for q in QUERIES[:4]]
         end = time.monotonic() + 20
-        while sum(engine.counts()) < 4 and time.monotonic() < end:  # every request is in: two wait in the queue
+        while sum(engine.counts()) < 4 and time.monotonic() < end:  # every request is in, some still queued
             time.sleep(0.001)
-        assert engine.counts() == (2, 2)
+        running, queued = engine.counts()
+        assert running + queued == 4 and queued >= 2
         srv.stop()
         served = [f.result() for f in futures]
     bb = offline_backbone(model)

@@ -37,6 +37,10 @@ from refusion.serve.protocol import (
 from refusion.serve.text import FinalText
 
 
+#: how often a waiting handler checks whether its client is still there (seconds)
+DISCONNECT_POLL_S = 0.2
+
+
 class ServeState:
     """What the routes share: the engine, the decoder pool, the tokenizer and the server's settings."""
 
@@ -133,16 +137,22 @@ def build_app(state: ServeState) -> Starlette:
         text = FinalText(state.tokenizer, req.stop_strings)
         usage_base = {"prompt_tokens": len(prompt_ids)}
 
+        checked = [arrived]
+
         async def next_event() -> tuple:
+            """The job's next event; ("gone",) when the client has disconnected (checked every 0.2 s)."""
             while True:
+                now = time.perf_counter()
+                if now - checked[0] >= DISCONNECT_POLL_S:
+                    checked[0] = now
+                    if await request.is_disconnected():
+                        job.cancel("disconnect")
+                        return ("gone",)
                 try:  # the engine ends every job with an event; the backstop is the deadline
-                    return await asyncio.wait_for(events.get(), timeout=0.5)
+                    return await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if time.perf_counter() > job.deadline + 30:
                         return ("error", 504, "the request timed out (--request-timeout)")
-                    if not req.stream and await request.is_disconnected():
-                        job.cancel("disconnect")
-                        return ("gone",)
 
         def finish_reason(ids: list[int]) -> str:
             return "stop" if text.stopped or (ids and ids[-1] in state.eos_ids) else "length"
@@ -233,6 +243,8 @@ def build_app(state: ServeState) -> Starlette:
                             yield chunk(delta, pending)
                             pending = []
                         break
+                    elif event[0] == "gone":
+                        return
                     else:
                         err = RequestError(event[1], None, event[2], "server_error")
                         done = True

@@ -93,8 +93,9 @@ def _serve_replicas(args: argparse.Namespace, model: str, config: dict, key: str
     from refusion.models.loading import runtime_from_args
 
     try:
+        import ray.serve  # noqa: F401  (the extra is installed)
+
         from refusion.serve.replicas import run_replicas
-        import ray  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"--replicas needs Ray Serve ({e.name} is missing): pip install -e '.[ray]'") from None
     runtime = runtime_from_args(args).model_dump()
