@@ -8,13 +8,13 @@ For each row (a decoder on its shipped model with the bench config's settings fo
    tokens / summed chunk wall time, as ``refusion batch-bench`` computes it) with ``refusion loadtest`` at
    concurrency 16 on the same prompts (one request each; tokens/s = completed tokens / wall time), while
    the other side is idle; the ratio served / offline per round;
-2. runs ``loadtest`` at each of ``--concurrency`` (``--limit`` requests each): the table of docs/serving.md;
+2. runs ``loadtest`` at each of ``--concurrency`` (``--table-requests`` each): the table of docs/serving.md;
 3. runs the goal: ``--goal-requests`` requests at concurrency 16 with ``--disconnect-fraction`` of the
    clients hanging up mid-stream, every response checked against the offline decode.
 
 Writes ``OUT/serve_bench.json`` and ``OUT/serve_bench.md``; prints the load average beside each row.
 
-    python scripts/serve_bench.py --rows ar,refusion,llada,block --task arith --out runs/serve_bench
+    python scripts/serve_bench.py --rows ar,refusion,llada,block --task arith --rounds 2 --out runs/serve_bench
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=32, help="prompts of the task (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved offline / served rounds (default 3)")
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--table-requests", type=int, default=16, help="requests per concurrency level (default 16)")
     ap.add_argument("--goal-requests", type=int, default=500)
     ap.add_argument("--disconnect-fraction", type=float, default=0.1)
     ap.add_argument("--out", type=Path, default=Path("runs/serve_bench"))
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                "ratio": served["tokens_per_s"] / off, "served_errors": served["errors"]})
             table = {}
             for c in [int(x) for x in args.concurrency.split(",")]:
-                r = run_loadtest(url, queries, c, len(queries), 600)
+                r = run_loadtest(url, queries, c, args.table_requests, 1800)
                 table[c] = {k: r[k] for k in ("tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms", "errors",
                                               "completed")}
             goal = run_loadtest(url, queries, 16, args.goal_requests, 1800,
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"row": row, "model": bench.models[row], "task": args.task, "rounds": rounds,
                         "ratio_median": statistics.median(r["ratio"] for r in rounds), "concurrency": table,
                         "goal": goal, "server_exit": exit_code, "load_average": os.getloadavg()})
-        print(json.dumps(results[-1]["rounds"]), f"load average {os.getloadavg()}", flush=True)
+        print(row, json.dumps(results[-1]["rounds"]), f"load average {os.getloadavg()}", flush=True)
         (args.out / "serve_bench.json").write_text(json.dumps(results, indent=1))
     (args.out / "serve_bench.md").write_text(markdown(results))
     print(markdown(results))
