@@ -22,3 +22,12 @@ from refusion.cli import main
 def test_bad_flags_are_refused_naming_them(args, field, capsys):
     assert main(args) == 2
     assert field in capsys.readouterr().err
+
+
+def test_a_decoder_whose_batch_is_its_own_is_refused():
+    from refusion.core.config import ConfigError
+    from refusion.models.backend import Backbone
+    from refusion.serve.options import DecoderPool
+
+    with pytest.raises(ConfigError, match="'speculative' cannot be served"):
+        DecoderPool(Backbone.from_pretrained("tiny-ar"), {"decoder": "speculative", "k": 2})
