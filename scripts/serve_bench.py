@@ -38,9 +38,9 @@ from refusion.serve.loadtest import run_loadtest, task_prompts
 from refusion.tasks import get_task
 
 
-def start_server(row: str, task: str) -> tuple[subprocess.Popen, str]:
+def start_server(row: str, task: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "refusion.cli", "serve", "--bench-row", row, "--task", task, "--port", "0",
-           "--threads", "1", "--max-batch", "16", "--max-queue", "1024", "--log-level", "warning"]
+           "--threads", "1", "--max-batch", "16", "--max-queue", "1024", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:
         if line.startswith("serving "):
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-requests", type=int, default=16, help="requests per concurrency level (default 16)")
     ap.add_argument("--goal-requests", type=int, default=500)
     ap.add_argument("--disconnect-fraction", type=float, default=0.1)
+    ap.add_argument("--serve-args", default="", help="more flags for refusion serve (e.g. '--admit-min 1')")
     ap.add_argument("--out", type=Path, default=Path("runs/serve_bench"))
     args = ap.parse_args(argv)
     set_threads(1)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         backbone = Backbone.from_pretrained(bench.models[row])
         decoder = build_decoder(backbone, bench.decoder_config(args.task, row, task.max_new_tokens))
         prompts = [encode_prompt(backbone.tokenizer, q) for q in queries]
-        proc, url = start_server(row, args.task)
+        proc, url = start_server(row, args.task, args.serve_args.split())
         try:
             run_loadtest(url, queries, 16, 16, 600)  # warm-up of both sides
             offline_tokens_per_s(decoder, prompts[:16], 16)
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.send_signal(signal.SIGINT)
             exit_code = proc.wait(timeout=120)
-        results.append({"row": row, "model": bench.models[row], "task": args.task, "rounds": rounds,
+        results.append({"row": row, "model": bench.models[row], "task": args.task, "serve_args": args.serve_args,
+                        "rounds": rounds,
                         "ratio_median": statistics.median(r["ratio"] for r in rounds), "concurrency": table,
                         "goal": goal, "server_exit": exit_code, "load_average": os.getloadavg()})
         print(row, json.dumps(results[-1]["rounds"]), f"load average {os.getloadavg()}", flush=True)

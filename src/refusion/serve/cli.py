@@ -67,12 +67,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, config = serve_config(args)
     validate_config(config)  # a bad config fails before the model loads
     key = _api_key(args.api_key_file)
-    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0), ("--admit-min", args.admit_min, 1),
                              ("--max-body-bytes", args.max_body_bytes, 1024), ("--port", args.port, 0)):
         if value < low:
             raise ConfigError(f"{flag}: must be at least {low}, got {value}")
-    if args.request_timeout <= 0 or args.shutdown_grace < 0:
-        raise ConfigError("--request-timeout must be above 0 and --shutdown-grace 0 or more")
+    if args.request_timeout <= 0 or args.shutdown_grace < 0 or args.admit_wait < 0:
+        raise ConfigError("--request-timeout must be above 0, --shutdown-grace and --admit-wait 0 or more")
     if not is_loopback(args.host) and key is None:
         print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use it")
     if args.replicas:
@@ -83,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                         trust_remote_code=args.trust_remote_code)
     state = create_state(backbone, config, args.served_model_name or str(model), str(path), args.max_batch,
                          args.max_queue, key, max_body_bytes=args.max_body_bytes,
-                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace)
+                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
+                         admit_min=args.admit_min, admit_wait_s=args.admit_wait)
     serve_forever(state, args.host, args.port, args.log_level)
     return 0
 
@@ -104,7 +105,8 @@ def _serve_replicas(args: argparse.Namespace, model: str, config: dict, key: str
     run_replicas(model, config, args.replicas, args.host, args.port, args.served_model_name or str(model), runtime,
                  gpus_per_replica=args.gpus_per_replica, blocking=True, max_batch=args.max_batch,
                  max_queue=args.max_queue, api_key=key, max_body_bytes=args.max_body_bytes,
-                 request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, threads=args.threads)
+                 request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, threads=args.threads,
+                 admit_min=args.admit_min, admit_wait_s=args.admit_wait)
     return 0
 
 
@@ -127,6 +129,7 @@ def add_serve_commands(sub, add_model_args) -> None:
     """``refusion serve`` and ``refusion loadtest`` on the command line's subparsers; ``add_model_args`` adds
     the runtime flags and ``--trust-remote-code``."""
     from refusion.core.threads import add_threads_arg
+    from refusion.serve.engine import ADMIT_MIN, ADMIT_WAIT_S
     from refusion.serve.protocol import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (needs .[serve])",
@@ -143,6 +146,11 @@ def add_serve_commands(sub, add_model_args) -> None:
     s.add_argument("--max-batch", type=int, default=16, help="sequences decoding together at most (default 16)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a place in the batch at most; more get 429 (default 64)")
+    s.add_argument("--admit-min", type=int, default=ADMIT_MIN,
+                   help=f"when more requests wait than places are free: admit once this many places are free "
+                        f"(default {ADMIT_MIN}; 1: at once)")
+    s.add_argument("--admit-wait", type=float, default=ADMIT_WAIT_S,
+                   help=f"... or once the oldest waiting request has waited this many seconds (default {ADMIT_WAIT_S:g})")
     s.add_argument("--api-key-file", help="file holding the API key clients must send as 'Authorization: Bearer KEY'")
     s.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
                    help=f"seconds a request may take from arrival to its last token (default {REQUEST_TIMEOUT_S:g})")

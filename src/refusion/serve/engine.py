@@ -3,7 +3,11 @@
 The thread calls :func:`~refusion.core.loop.run_loops` over one shared cache; before each model call its
 ``admit`` takes queued requests into the batch, up to ``max_batch`` sequences (continuous batching: a
 request joins between forwards and leaves when its loop ends, its cache rows freed). With nothing running
-and nothing queued, ``admit`` blocks until a request arrives.
+and nothing queued, ``admit`` blocks until a request arrives. When more requests wait than places are
+free, it admits them in groups (``admit_min`` places free, or the oldest has waited ``admit_wait_s``):
+sequences admitted together share their prompt's model call and stay at similar stages, so fewer rows
+are padded to another's width. A newly admitted sequence's first model call (its prompt) runs apart
+from the running batch's call, which would otherwise pad every row to the prompt's width.
 
 A request is a :class:`Job`. Its loop is wrapped (:meth:`Engine._steps`) so that it reports its commits to
 the job's ``sink`` as they happen and stops early when the job is cancelled (the client disconnected, a
@@ -20,6 +24,7 @@ two ends each admitted or rejected job, except a job cancelled by its own handle
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -33,6 +38,9 @@ from refusion.serve.metrics import Metrics, server_metrics
 from refusion.serve.protocol import RequestError
 
 _ids = itertools.count()
+#: defaults of the admission policy (see :class:`Engine`)
+ADMIT_MIN = 8
+ADMIT_WAIT_S = 0.5
 
 
 class Job:
@@ -62,12 +70,21 @@ class Engine:
     """The running batch of a served decoder (see the module docstring). ``decoder``: the served decoder,
     whose :meth:`~refusion.decoders.common.LoopDecoder.new_batch_cache` makes the shared cache."""
 
-    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None) -> None:
+    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
+                 admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be at least 1, got {max_batch}")
         if max_queue < 0:
             raise ValueError(f"--max-queue: must be 0 or more, got {max_queue}")
+        if admit_min < 1 or admit_wait_s < 0:
+            raise ValueError(f"--admit-min must be at least 1 and --admit-wait 0 or more, got {admit_min}, {admit_wait_s}")
         self.decoder, self.max_batch, self.max_queue = decoder, max_batch, max_queue
+        #: run a newly admitted sequence's first model call (its prompt) in a call of its own rather than
+        #: padding every row of the running batch to the prompt's width
+        self.separate_prefill = separate_prefill
+        #: while the batch runs and more requests wait than places are free, admit only when ``admit_min``
+        #: places are free (at most the batch) or the oldest waiting request has waited ``admit_wait_s``
+        self.admit_min, self.admit_wait_s = min(admit_min, max_batch), admit_wait_s
         self.metrics = metrics or server_metrics()
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
@@ -163,7 +180,11 @@ class Engine:
                 self._cond.wait()
             new: list[Job] = []
             now = time.perf_counter()
-            while self._queue and len(self._running) + len(new) < self.max_batch:
+            free = self.max_batch - len(self._running)
+            if self._running and self._queue and free < min(self.admit_min, len(self._queue)) \
+                    and now - self._queue[0].arrived < self.admit_wait_s:
+                free = 0  # wait for room for several: sequences admitted together share their prefill
+            while self._queue and len(new) < free:
                 job = self._queue.popleft()
                 if job.cancel_reason is not None:  # the client left while it waited
                     self.metrics.inc("refusion_cancelled_total", reason=job.cancel_reason)
@@ -188,6 +209,7 @@ class Engine:
         """``job``'s loop, reporting its commits and stopping when the job is cancelled or times out."""
         generator = torch.Generator(device=job.decoder.backbone.device).manual_seed(job.seed)
         views: set = set()
+        views_before = False  # whether the loop has made a model call yet
         loop = None
         try:
             loop = job.decoder.batch_loop(job.prompt_ids, generator, self.cache)
@@ -217,6 +239,9 @@ class Engine:
                     continue
                 if isinstance(step, ForwardRequest):
                     views.add(step.cache)
+                    if not views_before and self.separate_prefill:  # its first call: apart from the running batch
+                        step = dataclasses.replace(step, group=f"admitted:{step.group}")
+                    views_before = True
                 reply = yield step
         except GeneratorExit:
             raise
