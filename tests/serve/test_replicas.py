@@ -39,8 +39,10 @@ def test_two_replicas_on_ray_serve_answer_as_offline():
         bb = Backbone.from_pretrained("tiny-refusion")
         decoder = build_decoder(bb, config)
         for ex in get_task("arith").examples("test", 4):
-            out = client.chat.completions.create(model="tiny-refusion", messages=[{"role": "user", "content": ex.query}])
-            assert out.model_extra["refusion"]["token_ids"] == decoder.generate(encode_prompt(bb.tokenizer, ex.query)).token_ids
+            messages = [{"role": "user", "content": ex.query}]
+            out = client.chat.completions.create(model="tiny-refusion", messages=messages)
+            want = decoder.generate(encode_prompt(bb.tokenizer, ex.query)).token_ids
+            assert out.model_extra["refusion"]["token_ids"] == want
             chunks = list(client.chat.completions.create(model="tiny-refusion", stream=True,
                                                          messages=[{"role": "user", "content": ex.query}]))
             assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content

@@ -124,7 +124,8 @@ def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
         try:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             extra = {"refusion": [{"slot_size": 4}, {}], "llada": [{"block_length": 4}, {}],
-                     "block": [{"selector": {"name": "confidence_threshold", "threshold": 0.5}}, {}], "ar": [{}, {}]}[name]
+                     "block": [{"selector": {"name": "confidence_threshold", "threshold": 0.5}}, {}],
+                     "ar": [{}, {}]}[name]
             jobs = [(q, extra[i % 2], 8 + 8 * (i % 3)) for i, q in enumerate(QUERIES)]
 
             def ask(job):
@@ -235,8 +236,8 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving():
         assert got == 405 and "method" in json.loads(answer)["error"]["message"]
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sesame", max_retries=0)
         out = c.completions.create(model=model, prompt="1 + 1 =", max_tokens=4)  # still serving
-        assert out.model_extra["refusion"]["token_ids"] == offline(model, config, offline_backbone(model).tokenizer.encode(
-            "1 + 1 ="), gen_length=4)
+        want = offline(model, config, offline_backbone(model).tokenizer.encode("1 + 1 ="), gen_length=4)
+        assert out.model_extra["refusion"]["token_ids"] == want
         assert raw(srv.url, "GET", "/health")[0] == 200  # no key needed
         assert raw(srv.url, "GET", "/metrics")[0] == 401
         metrics = raw(srv.url, "GET", "/metrics", None, good)[1].decode()

@@ -67,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, config = serve_config(args)
     validate_config(config)  # a bad config fails before the model loads
     key = _api_key(args.api_key_file)
-    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0), ("--admit-min", args.admit_min, 1),
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                             ("--admit-min", args.admit_min, 1),
                              ("--max-body-bytes", args.max_body_bytes, 1024), ("--port", args.port, 0)):
         if value < low:
             raise ConfigError(f"{flag}: must be at least {low}, got {value}")
@@ -150,7 +151,8 @@ def add_serve_commands(sub, add_model_args) -> None:
                    help=f"when more requests wait than places are free: admit once this many places are free "
                         f"(default {ADMIT_MIN}; 1: at once)")
     s.add_argument("--admit-wait", type=float, default=ADMIT_WAIT_S,
-                   help=f"... or once the oldest waiting request has waited this many seconds (default {ADMIT_WAIT_S:g})")
+                   help=f"... or once the oldest waiting request has waited this many seconds "
+                        f"(default {ADMIT_WAIT_S:g})")
     s.add_argument("--api-key-file", help="file holding the API key clients must send as 'Authorization: Bearer KEY'")
     s.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
                    help=f"seconds a request may take from arrival to its last token (default {REQUEST_TIMEOUT_S:g})")

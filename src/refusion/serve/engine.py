@@ -77,7 +77,8 @@ class Engine:
         if max_queue < 0:
             raise ValueError(f"--max-queue: must be 0 or more, got {max_queue}")
         if admit_min < 1 or admit_wait_s < 0:
-            raise ValueError(f"--admit-min must be at least 1 and --admit-wait 0 or more, got {admit_min}, {admit_wait_s}")
+            raise ValueError(f"--admit-min must be at least 1 and --admit-wait 0 or more, got {admit_min}, "
+                             f"{admit_wait_s}")
         self.decoder, self.max_batch, self.max_queue = decoder, max_batch, max_queue
         #: run a newly admitted sequence's first model call (its prompt) in a call of its own rather than
         #: padding every row of the running batch to the prompt's width
