@@ -122,6 +122,7 @@ def test_train_grow_layers_saves_the_deeper_model_and_refuses_a_shallower_one(tm
 COMMANDS = {  # every command that decodes or trains, with its required arguments
     "generate": ["--model", "m", "--prompt", "p"], "bench": [], "batch-bench": [], "profile": [],
     "ablate": ["x.yaml"], "results": [], "trace": [], "train": ["--out", "o"], "eval": ["--model", "m", "--tasks", "t"],
+    "serve": ["--model", "m"],
 }
 
 

@@ -30,7 +30,7 @@ def test_no_library_module_imports_the_cli():
 
 #: package -> its layer; a module imports only from its own layer or below (type-only imports excepted)
 LAYERS = {"core": 0, "models": 1, "plugins": 2, "decoders": 2, "tasks": 2, "experiments": 3, "eval": 3,
-          "training": 3, "testing": 3, "cli": 4, "__main__": 4}
+          "training": 3, "testing": 3, "serve": 3, "cli": 4, "__main__": 4}
 
 
 def runtime_imports(path: Path, with_names: bool = False) -> list[tuple[str, int]]:
@@ -128,3 +128,11 @@ def test_the_cycle_check_sees_function_level_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
     assert "refusion.models.families" in import_graph()["refusion.models.backend"]  # imported inside a method
+
+
+def test_only_the_command_line_imports_the_server():
+    """serve/ sits on top of the library: decoders, models and core never reach up into it."""
+    offenders = [f"{p.relative_to(PACKAGE)}:{line}" for p in PACKAGE.rglob("*.py")
+                 if p.relative_to(PACKAGE).parts[0] not in ("serve", "cli.py")
+                 for module, line in runtime_imports(p) if module.startswith("refusion.serve")]
+    assert offenders == []

@@ -1,5 +1,5 @@
 """The ``refusion`` command line: generate, plugins, check-plugin, bench, batch-bench, profile, trace, ablate, results, train, eval,
-eval-table."""
+eval-table, serve, loadtest."""
 
 from __future__ import annotations
 
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_command(sub)
     add_eval_command(sub)
     add_eval_table_command(sub)
+    from refusion.serve.cli import add_serve_commands
+
+    add_serve_commands(sub, _add_model_args)
     return parser
 
 

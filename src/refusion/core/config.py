@@ -69,7 +69,8 @@ def part_fields(options_cls: type[BaseModel]) -> dict[str, str]:
     return out
 
 
-def _format(err: ValidationError, prefix: str = "") -> str:
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """A pydantic error as ``field.path: message (got value)``, one per error, joined by ``; ``."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
@@ -98,7 +99,7 @@ def validate_config(config: dict[str, Any], registry: Registry | None = None) ->
     try:
         options = dec_cls.Options.model_validate(cfg)
     except ValidationError as e:
-        raise ConfigError(f"invalid {dec_cls.name} config: {_format(e)}") from None
+        raise ConfigError(f"invalid {dec_cls.name} config: {format_validation_error(e)}") from None
     parts: dict[str, Part] = {}
     for kind in defaults:
         spec: PartSpec = getattr(options, kind)
@@ -109,7 +110,7 @@ def validate_config(config: dict[str, Any], registry: Registry | None = None) ->
         try:
             part_opts = part_cls.Options.model_validate(spec.part_options)
         except ValidationError as e:
-            raise ConfigError(f"invalid {dec_cls.name} config: {_format(e, kind)}") from None
+            raise ConfigError(f"invalid {dec_cls.name} config: {format_validation_error(e, kind)}") from None
         parts[kind] = part_cls(part_opts)
     if "extender" in parts and "verifier" in parts:  # Stage II-b runs beside Stage II-a's verifier
         try:

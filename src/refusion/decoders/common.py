@@ -90,7 +90,16 @@ class LoopDecoder(Decoder):
     def _decode_steps(self, prompt_ids, generator) -> Generator[Commit, None, LoopOutput]:
         return (yield from drive(self._loop(prompt_ids, generator, self.backbone.new_cache())))
 
+    def new_batch_cache(self) -> RaggedCache:
+        """The shared cache of a running batch of this decoder's loops (a server's engine keeps one)."""
+        return RaggedCache(self.backbone)
+
+    def batch_loop(self, prompt_ids: list[int], generator: torch.Generator, batch_cache: RaggedCache) -> LoopSteps:
+        """One sequence's loop on a new view of ``batch_cache`` (from :meth:`new_batch_cache` of a decoder of
+        the same class on the same backbone: loops of decoders that differ only in options share a batch)."""
+        return self._loop(prompt_ids, generator, batch_cache.new_view())
+
     def _decode_batch(self, prompts, generator, on_commit: Callable[[int, Commit], None] | None = None):
-        shared = RaggedCache(self.backbone)
-        loops = [self._loop(p, self.new_generator(), shared.new_view()) for p in prompts]
+        shared = self.new_batch_cache()
+        loops = [self.batch_loop(p, self.new_generator(), shared) for p in prompts]
         return run_loops(loops, shared, on_commit=on_commit)

@@ -1,0 +1,258 @@
+"""The serving engine: one thread runs every admitted request's decoding loop as one running batch.
+
+The thread calls :func:`~refusion.core.loop.run_loops` over one shared cache; before each model call its
+``admit`` takes queued requests into the batch, up to ``max_batch`` sequences (continuous batching: a
+request joins between forwards and leaves when its loop ends, its cache rows freed). With nothing running
+and nothing queued, ``admit`` blocks until a request arrives. When more requests wait than places are
+free, it admits them in groups (``admit_min`` places free, or the oldest has waited ``admit_wait_s``):
+sequences admitted together share their prompt's model call and stay at similar stages, so fewer rows
+are padded to another's width. A newly admitted sequence's first model call (its prompt) runs apart
+from the running batch's call, which would otherwise pad every row to the prompt's width.
+
+A request is a :class:`Job`. Its loop is wrapped (:meth:`Engine._steps`) so that it reports its commits to
+the job's ``sink`` as they happen and stops early when the job is cancelled (the client disconnected, a
+stop string was found, its deadline passed, or the server shuts down): the wrapped loop then returns at
+its next step and its views are released, so its rows leave the batch before the next model call. A loop
+that raises fails its own job only; a model call that raises fails the jobs of that batch, and the engine
+goes on with a fresh cache.
+
+Events a sink receives, from the engine thread: ``("commit", token_ids)`` (final output, left to right),
+``("end", token_ids)`` (the loop's whole output) or ``("error", status, message)``; exactly one of the last
+two ends each admitted or rejected job, except a job cancelled by its own handler (disconnect, stop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, run_loops
+from refusion.core.types import LoopOutput
+from refusion.serve.metrics import Metrics, server_metrics
+from refusion.serve.protocol import RequestError
+
+_ids = itertools.count()
+#: defaults of the admission policy (see :class:`Engine`)
+ADMIT_MIN = 8
+ADMIT_WAIT_S = 0.5
+
+
+class Job:
+    """One request in the engine: its prompt, its decoder, its seed, its deadline and its sink."""
+
+    def __init__(self, prompt_ids: list[int], decoder, seed: int | None, deadline: float,
+                 sink: Callable[[tuple], None]) -> None:
+        self.id = next(_ids)
+        self.prompt_ids, self.decoder, self.deadline, self.sink = prompt_ids, decoder, deadline, sink
+        self.seed = decoder.options.seed if seed is None else seed
+        self.arrived = time.perf_counter()
+        self.cancel_reason: str | None = None
+
+    def cancel(self, reason: str) -> None:
+        """Stop the job at its next step (or skip it while queued); the first reason stays."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+
+    def send(self, event: tuple) -> None:
+        try:
+            self.sink(event)
+        except RuntimeError:  # the handler's event loop has closed: nobody listens any more
+            pass
+
+
+class Engine:
+    """The running batch of a served decoder (see the module docstring). ``decoder``: the served decoder,
+    whose :meth:`~refusion.decoders.common.LoopDecoder.new_batch_cache` makes the shared cache."""
+
+    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
+                 admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True) -> None:
+        if max_batch < 1:
+            raise ValueError(f"--max-batch: must be at least 1, got {max_batch}")
+        if max_queue < 0:
+            raise ValueError(f"--max-queue: must be 0 or more, got {max_queue}")
+        if admit_min < 1 or admit_wait_s < 0:
+            raise ValueError(f"--admit-min must be at least 1 and --admit-wait 0 or more, got {admit_min}, "
+                             f"{admit_wait_s}")
+        self.decoder, self.max_batch, self.max_queue = decoder, max_batch, max_queue
+        #: run a newly admitted sequence's first model call (its prompt) in a call of its own rather than
+        #: padding every row of the running batch to the prompt's width
+        self.separate_prefill = separate_prefill
+        #: while the batch runs and more requests wait than places are free, admit only when ``admit_min``
+        #: places are free (at most the batch) or the oldest waiting request has waited ``admit_wait_s``
+        self.admit_min, self.admit_wait_s = min(admit_min, max_batch), admit_wait_s
+        self.metrics = metrics or server_metrics()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._running: set[Job] = set()
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._nfe = decoder.backbone.nfe
+        self.cache = None
+
+    # ------------------------------------------------------------------ the handlers' side
+    def start(self) -> None:
+        """Start the engine thread (once; later calls do nothing)."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises a 429 :class:`RequestError` when the queue is full, 503 when shutting down."""
+        with self._cond:
+            if not self._accepting:
+                raise RequestError(503, None, "the server is shutting down; retry on another replica",
+                                   "unavailable_error")
+            if len(self._queue) + len(self._running) >= self.max_batch + self.max_queue:
+                raise RequestError(429, None, f"the server is full: {len(self._running)} requests decoding "
+                                   f"(--max-batch {self.max_batch}) and {len(self._queue)} waiting (--max-queue "
+                                   f"{self.max_queue}); retry later", "rate_limit_error")
+            self._queue.append(job)
+            self.metrics.set("refusion_queue_length", len(self._queue))
+            self._cond.notify_all()
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutting down (new requests get a 503)."""
+        return self._accepting
+
+    def counts(self) -> tuple[int, int]:
+        """(sequences running, requests queued)."""
+        with self._cond:
+            return len(self._running), len(self._queue)
+
+    def close_intake(self) -> None:
+        """Refuse new requests (503); what is queued or running goes on."""
+        with self._cond:
+            self._accepting = False
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Shut down: refuse new requests, let queued and running requests finish for up to ``grace_s``
+        seconds, then reject what is still queued and stop what still runs (each with a 503), and end the
+        engine thread."""
+        self.close_intake()
+        end = time.monotonic() + grace_s
+        with self._cond:
+            while (self._queue or self._running) and time.monotonic() < end:
+                self._cond.wait(min(0.05, max(0.0, end - time.monotonic())))
+            for job in self._queue:
+                job.send(("error", 503, "the server shut down before this request was admitted"))
+                self.metrics.inc("refusion_cancelled_total", reason="shutdown")
+            self._queue.clear()
+            for job in self._running:
+                job.cancel("shutdown")
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopping and not self._running:
+                    return
+            self.cache = self.decoder.new_batch_cache()
+            try:
+                run_loops([], self.cache, admit=self._admit)
+            except Exception as e:  # a model call failed: fail the batch it served, go on with a fresh cache
+                with self._cond:
+                    failed, self._running = list(self._running), set()
+                    self._cond.notify_all()
+                for job in failed:
+                    job.send(("error", 500, f"the batch failed: {type(e).__name__}: {e}"))
+                self.metrics.set("refusion_batch_size", 0)
+
+    def _admit(self) -> list[LoopSteps]:
+        """Before each model call: the queued jobs that fit in the batch (blocks while idle)."""
+        bb = self.decoder.backbone
+        self.metrics.inc("refusion_forward_calls_total", bb.nfe - self._nfe)
+        self._nfe = bb.nfe
+        with self._cond:
+            while not self._queue and not self._running and not self._stopping:
+                self._cond.wait()
+            new: list[Job] = []
+            now = time.perf_counter()
+            free = self.max_batch - len(self._running)
+            if self._running and self._queue and free < min(self.admit_min, len(self._queue)) \
+                    and now - self._queue[0].arrived < self.admit_wait_s:
+                free = 0  # wait for room for several: sequences admitted together share their prefill
+            while self._queue and len(new) < free:
+                job = self._queue.popleft()
+                if job.cancel_reason is not None:  # the client left while it waited
+                    self.metrics.inc("refusion_cancelled_total", reason=job.cancel_reason)
+                elif now > job.deadline:
+                    job.send(("error", 504, "the request timed out while queued (--request-timeout)"))
+                    self.metrics.inc("refusion_cancelled_total", reason="timeout")
+                else:
+                    new.append(job)
+            self._running.update(new)
+            running = len(self._running)
+            self.metrics.set("refusion_queue_length", len(self._queue))
+            self.metrics.set("refusion_batch_size", running)
+            self._cond.notify_all()
+        for job in new:
+            self.metrics.observe("refusion_queue_seconds", now - job.arrived)
+            self.metrics.inc("refusion_prompt_tokens_total", len(job.prompt_ids))
+        if not new and running:
+            self.metrics.observe("refusion_batch_size_per_call", running)
+        return [self._steps(job) for job in new]
+
+    def _steps(self, job: Job) -> LoopSteps:
+        """``job``'s loop, reporting its commits and stopping when the job is cancelled or times out."""
+        generator = torch.Generator(device=job.decoder.backbone.device).manual_seed(job.seed)
+        views: set = set()
+        views_before = False  # whether the loop has made a model call yet
+        loop = None
+        try:
+            loop = job.decoder.batch_loop(job.prompt_ids, generator, self.cache)
+            reply: object = None
+            while True:
+                if job.cancel_reason is None and time.perf_counter() > job.deadline:
+                    job.cancel("timeout")
+                if job.cancel_reason is not None:
+                    loop.close()
+                    for view in views:  # the rows leave the batch now (run_loops releases them again: a no-op)
+                        self.cache.release(view)
+                    self.metrics.inc("refusion_cancelled_total", reason=job.cancel_reason)
+                    if job.cancel_reason == "timeout":
+                        job.send(("error", 504, "the request timed out (--request-timeout)"))
+                    elif job.cancel_reason == "shutdown":
+                        job.send(("error", 503, "the server shut down before this request finished"))
+                    return LoopOutput([], [], [], [])
+                try:
+                    step = loop.send(reply)
+                except StopIteration as stop:
+                    job.send(("end", list(stop.value.token_ids)))
+                    return stop.value
+                if isinstance(step, Commit):
+                    self.metrics.inc("refusion_generation_tokens_total", len(step.token_ids))
+                    job.send(("commit", list(step.token_ids)))
+                    reply = None
+                    continue
+                if isinstance(step, ForwardRequest):
+                    views.add(step.cache)
+                    if not views_before and self.separate_prefill:  # its first call: apart from the running batch
+                        step = dataclasses.replace(step, group=f"admitted:{step.group}")
+                    views_before = True
+                reply = yield step
+        except GeneratorExit:
+            raise
+        except Exception as e:  # this request's loop failed: it alone ends
+            for view in views:
+                self.cache.release(view)
+            job.send(("error", 500, f"decoding failed: {type(e).__name__}: {e}"))
+            return LoopOutput([], [], [], [])
+        finally:
+            with self._cond:
+                self._running.discard(job)
+                self.metrics.set("refusion_batch_size", len(self._running))
+                self._cond.notify_all()

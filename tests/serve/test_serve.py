@@ -1,0 +1,384 @@
+"""`refusion serve` against the official openai client on 127.0.0.1: completions, chat, streams, stop
+strings, per-request decoder options, errors; every served output token-identical to the offline decode
+(Decoder.generate) of the same prompt and config, while requests share a running batch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from refusion.core.config import build_decoder  # noqa: E402
+from refusion.models.backend import Backbone  # noqa: E402
+from refusion.models.loading import resolve_model_path  # noqa: E402
+from refusion.models.tokenizer import encode_prompt  # noqa: E402
+from refusion.serve.server import BackgroundServer, create_state  # noqa: E402
+from refusion.tasks import get_task  # noqa: E402
+
+#: decoder -> (shipped model, served config): short generations keep the suite fast
+SERVED = {
+    "refusion": ("tiny-refusion", {"decoder": "refusion", "gen_length": 24, "slot_size": 8}),
+    "ar": ("tiny-ar", {"decoder": "ar", "gen_length": 24}),
+    "llada": ("tiny-mdm", {"decoder": "llada", "gen_length": 24, "block_length": 8, "kv_cache": "dual",
+                           "selector": {"name": "confidence_threshold", "threshold": 0.9}}),
+    "block": ("tiny-block", {"decoder": "block", "gen_length": 24,
+                             "selector": {"name": "confidence_threshold", "threshold": 0.9}}),
+}
+QUERIES = [ex.query for ex in get_task("arith").examples("test", 6)]
+
+_backbones: dict[str, Backbone] = {}
+
+
+def offline_backbone(model: str) -> Backbone:
+    """A backbone of its own for offline decodes (the server's engine thread drives the served one)."""
+    if model not in _backbones:
+        _backbones[model] = Backbone.from_pretrained(model)
+    return _backbones[model]
+
+
+def offline(model: str, config: dict, prompt_ids: list[int], **options) -> list[int]:
+    return build_decoder(offline_backbone(model), {**config, **options}).generate(prompt_ids).token_ids
+
+
+def start(model: str, config: dict, **settings) -> BackgroundServer:
+    state = create_state(Backbone.from_pretrained(model), config, model, str(resolve_model_path(model)), **settings)
+    return BackgroundServer(state).start()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start(*SERVED["refusion"], max_batch=8, max_queue=8)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_ids(model: str, query: str) -> list[int]:
+    return encode_prompt(offline_backbone(model).tokenizer, query)
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_completions_and_chat_are_the_offline_decode(server, client):
+    model, config = SERVED["refusion"]
+    tok = offline_backbone(model).tokenizer
+    prompt = QUERIES[0] + "\n"
+    out = client.completions.create(model=model, prompt=prompt)
+    want = offline(model, config, tok.encode(prompt, add_special_tokens=False))
+    assert out.model_extra["refusion"]["token_ids"] == want
+    assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert out.usage.completion_tokens == len(want)
+    assert out.choices[0].finish_reason == ("stop" if want[-1] in offline_backbone(model).eos_ids else "length")
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[1]}],
+                                          max_tokens=16)
+    want = offline(model, config, chat_ids(model, QUERIES[1]), gen_length=16)
+    assert chat.model_extra["refusion"]["token_ids"] == want
+    assert chat.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    ids = client.completions.create(model=model, prompt=tok.encode(prompt, add_special_tokens=False), max_tokens=8)
+    assert ids.model_extra["refusion"]["token_ids"] == offline(model, config, tok.encode(prompt), gen_length=8)
+
+
+def test_a_stream_sends_the_final_text_in_pieces(server, client):
+    model, config = SERVED["refusion"]
+    tok = offline_backbone(model).tokenizer
+    want = offline(model, config, chat_ids(model, QUERIES[2]), gen_length=160, slot_size=4)
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[2]}],
+                                            stream=True, stream_options={"include_usage": True}, max_tokens=160,
+                                            extra_body={"refusion": {"slot_size": 4}})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    ids = [t for c in chunks for t in (c.model_extra.get("refusion") or {}).get("token_ids", [])]
+    assert ids == want
+    assert "".join(pieces) == tok.decode(want, skip_special_tokens=True)
+    assert len(pieces) > 1  # text goes out as it becomes final, not at the end
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(want)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
+    """Requests that differ in decoder options, max_tokens and seed share the running batch; each is
+    its own offline decode. Every shipped decoder kind."""
+    for name, (model, config) in SERVED.items():
+        srv = start(model, config, max_batch=4, max_queue=16)
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            extra = {"refusion": [{"slot_size": 4}, {}], "llada": [{"block_length": 4}, {}],
+                     "block": [{"selector": {"name": "confidence_threshold", "threshold": 0.5}}, {}],
+                     "ar": [{}, {}]}[name]
+            jobs = [(q, extra[i % 2], 8 + 8 * (i % 3)) for i, q in enumerate(QUERIES)]
+
+            def ask(job):
+                q, options, n = job
+                out = c.chat.completions.create(model=model, messages=[{"role": "user", "content": q}], max_tokens=n,
+                                                extra_body={"refusion": options} if options else None)
+                return out.model_extra["refusion"]["token_ids"]
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                served = list(pool.map(ask, jobs))
+            for (q, options, n), ids in zip(jobs, served):
+                assert ids == offline(model, config, chat_ids(model, q), gen_length=n, **options), (name, options, n)
+            engine, end = srv.state.engine, time.monotonic() + 10
+            while (engine.counts() != (0, 0) or engine.cache.lengths) and time.monotonic() < end:
+                time.sleep(0.01)  # the last answer goes out as its loop ends; its rows leave just after
+            assert engine.counts() == (0, 0) and engine.cache.lengths == []
+        finally:
+            srv.stop()
+
+
+def test_stop_strings_cut_the_text(server, client):
+    model, config = SERVED["refusion"]
+    tok = offline_backbone(model).tokenizer
+    full = tok.decode(offline(model, config, chat_ids(model, QUERIES[3])), skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop and stop in full
+    cut = full[: full.index(stop)]
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[3]}], stop=[stop])
+    assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[3]}],
+                                                 stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_temperature_and_seed_reach_the_drafter(server, client):
+    model, config = SERVED["refusion"]
+    prompt = chat_ids(model, QUERIES[4])
+    sampled = [client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[4]}],
+                                              temperature=30.0, seed=s).model_extra["refusion"]["token_ids"]
+               for s in (1, 2)]
+    for s, ids in zip((1, 2), sampled):
+        assert ids == offline(model, config, prompt, seed=s, drafter={"name": "gumbel", "temperature": 30.0})
+    assert sampled[0] != sampled[1]
+
+
+BAD = [  # (path, body or raw bytes, headers, status, the field the message must name)
+    ("/v1/completions", b"{not json", {}, 400, "body"),
+    ("/v1/completions", b"[1, 2]", {}, 400, "body"),
+    ("/v1/completions", {"prompt": "hi"}, {}, 400, "model"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, {}, 404, "model"),
+    ("/v1/completions", {"model": "M"}, {}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": ""}, {}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": 7}, {}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": [5, 99999]}, {}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": "1 + " * 400}, {}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": -3}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 10**9}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": "10"}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": -1}, {}, 400, "temperature"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": "hot"}, {}, 400, "temperature"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "seed": 1.5}, {}, 400, "seed"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": 3}, {}, 400, "stop"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": [""]}, {}, 400, "stop"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "stream": "yes"}, {}, 400, "stream"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "colour": "red"}, {}, 400, "colour"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, {}, 400, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 3}, {}, 400, "logprobs"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 0.5}, {}, 400, "top_p"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"slot_size": 0}}, {}, 400, "slot_size"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"slot_sise": 4}}, {}, 400, "slot_sise"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"selector": {"slot_threshold": 2}}}, {}, 400,
+     "selector.slot_threshold"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"decoder": "ar"}}, {}, 400, "refusion.decoder"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"gen_length": 4}}, {}, 400, "refusion.gen_length"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": "fast"}, {}, 400, "refusion"),
+    ("/v1/completions", {"model": "M", "prompt": "hi" * 40_000}, {}, 413, "body"),
+    ("/v1/chat/completions", {"model": "M", "messages": []}, {}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "hi"}]}, {}, 400, "role"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": 5}]}, {}, 400, "content"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "max_completion_tokens": 5}, {}, 400, "max_completion_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, "Authorization"),
+    ("/v1/completions", {"model": "M", "prompt": "hi"}, {"Authorization": ""}, 401, "Authorization"),
+    ("/v1/nothing", {"model": "M"}, {}, 404, "path"),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving():
+    model, config = SERVED["refusion"]
+    import pathlib
+    import tempfile
+
+    srv = start(model, config, api_key="sesame", max_body_bytes=64 * 1024)
+    try:
+        good = {"Authorization": "Bearer sesame"}
+        kinds = 0
+        for path, body, headers, status, field in BAD:
+            if isinstance(body, dict) and body.get("model") == "M":
+                body = {**body, "model": model}
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            got, answer = raw(srv.url, "POST", path, data, {**good, **headers})
+            message = json.loads(answer)["error"]["message"]
+            assert got == status and field in message, (path, body if len(data) < 200 else "...", got, message)
+            kinds += 1
+        assert kinds >= 20
+        got, answer = raw(srv.url, "GET", "/v1/completions", None, good)
+        assert got == 405 and "method" in json.loads(answer)["error"]["message"]
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sesame", max_retries=0)
+        out = c.completions.create(model=model, prompt="1 + 1 =", max_tokens=4)  # still serving
+        want = offline(model, config, offline_backbone(model).tokenizer.encode("1 + 1 ="), gen_length=4)
+        assert out.model_extra["refusion"]["token_ids"] == want
+        assert raw(srv.url, "GET", "/health")[0] == 200  # no key needed
+        assert raw(srv.url, "GET", "/metrics")[0] == 401
+        metrics = raw(srv.url, "GET", "/metrics", None, good)[1].decode()
+        assert 'refusion_requests_total{endpoint="completions",status="400"}' in metrics
+        with tempfile.TemporaryDirectory() as tmp:  # the API key file of the command line
+            from refusion.serve.cli import _api_key
+
+            p = pathlib.Path(tmp) / "key"
+            p.write_text("sesame\n")
+            assert _api_key(str(p)) == "sesame"
+    finally:
+        srv.stop()
+
+
+def test_a_model_without_chat_template_refuses_chat_but_serves_completions():
+    model, config = SERVED["ar"]
+    bb = Backbone.from_pretrained(model)
+    bb.tokenizer.chat_template = None
+    srv = BackgroundServer(create_state(bb, config, model)).start()
+    try:
+        got, answer = raw(srv.url, "POST", "/v1/chat/completions",
+                          json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode())
+        assert got == 400 and "chat template" in json.loads(answer)["error"]["message"]
+        got, _ = raw(srv.url, "POST", "/v1/completions", json.dumps({"model": model, "prompt": "hi"}).encode())
+        assert got == 200
+        got, answer = raw(srv.url, "POST", "/v1/completions",
+                          json.dumps({"model": model, "prompt": "hi", "temperature": 0.7}).encode())
+        assert got == 400 and "temperature" in json.loads(answer)["error"]["message"]  # ar decodes greedily
+    finally:
+        srv.stop()
+
+
+def endless(**settings) -> BackgroundServer:
+    """An ar server whose model never ends a text (no EOS ids): a decode runs its whole max_tokens."""
+    model, config = SERVED["ar"]
+    bb = Backbone.from_pretrained(model)
+    bb.eos_ids = set()
+    return BackgroundServer(create_state(bb, config, model, **settings)).start()
+
+
+def test_a_client_that_hangs_up_leaves_the_batch():
+    model, _ = SERVED["ar"]
+    srv = endless()
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": model, "prompt": "1 + 2 =", "stream": True, "max_tokens": 480}),
+            headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event: the decode is under way
+        engine = srv.state.engine
+        assert engine.counts() == (1, 0)
+        conn.sock.close()
+        conn.close()
+        end = time.monotonic() + 20
+        while time.monotonic() < end and (engine.counts() != (0, 0) or engine.cache.lengths):
+            time.sleep(0.01)
+        assert engine.counts() == (0, 0) and engine.cache.lengths == [] and engine.cache.views == []
+        assert engine.metrics.value("refusion_cancelled_total", reason="disconnect") == 1
+        assert engine.metrics.value("refusion_generation_tokens_total") < 480  # it stopped early
+    finally:
+        srv.stop()
+
+
+def test_a_request_over_its_timeout_gets_a_504_and_the_server_goes_on():
+    model, config = SERVED["ar"]
+    srv = endless(request_timeout_s=0.3)
+    try:
+        got, answer = raw(srv.url, "POST", "/v1/completions",
+                          json.dumps({"model": model, "prompt": "1 + 2 =", "max_tokens": 480}).encode())
+        assert got == 504 and "timed out" in json.loads(answer)["error"]["message"]
+        for _ in range(5):  # a one-token request fits in the timeout (a loaded machine may need a retry)
+            got, answer = raw(srv.url, "POST", "/v1/completions",
+                              json.dumps({"model": model, "prompt": "1 + 2 =", "max_tokens": 1}).encode())
+            if got != 504:
+                break
+        assert got == 200 and len(json.loads(answer)["refusion"]["token_ids"]) == 1
+        end = time.monotonic() + 10  # the answer goes out as the loop ends; its rows leave just after
+        while srv.state.engine.cache.lengths and time.monotonic() < end:
+            time.sleep(0.01)
+        assert srv.state.engine.cache.lengths == []
+    finally:
+        srv.stop()
+
+
+def test_a_full_queue_answers_429():
+    from refusion.serve.engine import Engine, Job
+    from refusion.serve.protocol import RequestError
+
+    model, config = SERVED["ar"]
+    engine = Engine(build_decoder(offline_backbone(model), config), max_batch=1, max_queue=1)  # not started
+    for _ in range(2):
+        engine.submit(Job([5], engine.decoder, None, time.perf_counter() + 9, lambda e: None))
+    with pytest.raises(RequestError) as full:
+        engine.submit(Job([5], engine.decoder, None, time.perf_counter() + 9, lambda e: None))
+    assert full.value.status == 429 and "--max-queue" in full.value.message
+
+
+def test_shutdown_finishes_what_is_queued_and_running_then_refuses():
+    model, config = SERVED["ar"]
+    srv = endless(max_batch=2, shutdown_grace_s=30)
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    engine = srv.state.engine
+
+    def ask(q):
+        return c.completions.create(model=model, prompt=q, max_tokens=120).model_extra["refusion"]["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, q) for q in QUERIES[:4]]
+        end = time.monotonic() + 20
+        while sum(engine.counts()) < 4 and time.monotonic() < end:  # every request is in, some still queued
+            time.sleep(0.001)
+        running, queued = engine.counts()
+        assert running + queued == 4 and queued >= 2
+        srv.stop()
+        served = [f.result() for f in futures]
+    bb = offline_backbone(model)
+    eos, bb.eos_ids = bb.eos_ids, set()
+    try:
+        assert served == [offline(model, config, bb.tokenizer.encode(q), gen_length=120) for q in QUERIES[:4]]
+    finally:
+        bb.eos_ids = eos
+    with pytest.raises(OSError):
+        raw(srv.url, "GET", "/health")
+
+
+def test_loadtest_reports_delivery_and_matches_offline(server):
+    from refusion.core.config import ConfigError
+    from refusion.serve.loadtest import run_loadtest
+
+    report = run_loadtest(server.url, QUERIES[:4], concurrency=4, requests=12, duration_limit_s=120,
+                          disconnect_fraction=0.25, check_offline=True)
+    assert report["errors"] == {} and report["completed"] == 9 and report["disconnected"] == 3
+    assert report["delivery"] == {"each_completed_once": True, "unique_response_ids": True, "lost": 0}
+    assert report["offline"]["differ"] == 0 and report["offline"]["compared"] == 12
+    assert report["server"]["batch_size_after"] == 0
+    assert report["ttft_ms"]["p50"] is not None and report["tokens_per_s"] > 0
+    with pytest.raises(ConfigError, match="loopback"):
+        run_loadtest("http://10.1.2.3:8000", QUERIES, 1, 1, 10)
