@@ -1,7 +1,7 @@
 """``refusion ablate CONFIG.yaml``: a grid of decoders, parts and knobs x tasks x models.
 
 An ablation file names runs explicitly and/or as a grid (the cartesian product of its axes); each run
-starts from the bench's per-task settings for its decoder (``configs/bench.yaml``) and applies its own
+starts from the bench's per-task settings for its decoder (``configs/bench/bench.yaml``) and applies its own
 ``set`` overrides (dotted keys, as ``--set``)::
 
     name: kv_cache
@@ -22,7 +22,7 @@ starts from the bench's per-task settings for its decoder (``configs/bench.yaml`
     runtime: {device: cuda, dtype: bfloat16}   # optional: device, dtype, attn_implementation, device_map
     batch_size: 4                          # optional: samples per generate_batch call (default 1)
 
-``bench_config`` (default ``configs/bench.yaml``) gives the models and per-task settings runs start from.
+``bench_config`` (default ``configs/bench/bench.yaml``) gives the models and per-task settings runs start from.
 A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder. ``runtime``
 (how every model loads: :class:`~refusion.models.loading.Runtime`) overrides the bench config's
 ``runtime`` option by option, and the command-line flags override both. ``batch_size`` (default: the
@@ -46,12 +46,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from refusion.core.config import ConfigError
 from refusion.core.threads import add_threads_arg, set_threads
 from refusion.experiments.bench import add_resume_args, load_bench_config
+from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import (
     Run, check_batch_size, evaluate, markdown_table, print_table, summarize, write_json,
 )
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
-CONFIGS_DIR = Path(__file__).parent / "configs"
 
 
 class Strict(BaseModel):
@@ -134,12 +134,11 @@ def schema_markdown() -> str:
 
 
 def load_ablation(path: str | Path) -> AblationConfig:
-    p = Path(path)
-    if not p.is_file() and (CONFIGS_DIR / p.name).is_file():
-        p = CONFIGS_DIR / p.name  # a shipped config by file name
-    if not p.is_file():
-        shipped = ", ".join(sorted(f.name for f in CONFIGS_DIR.glob("*.yaml") if f.name != "bench.yaml"))
-        raise ConfigError(f"ablation config {str(path)!r} not found (shipped: {shipped})")
+    """The ablation file at ``path``, or the shipped one of that name (:func:`~refusion.experiments.config_files.find_config`:
+    ``kv_cache``, ``kv_cache.yaml``, ``tune_bench.yaml``)."""
+    p = find_config(path, what="ablation config")
+    if p.parent.name == "bench" and p.parent.parent == CONFIGS_DIR:
+        raise ConfigError(f"ablation config {str(path)!r}: {p.name} is a bench config (refusion bench --config)")
     try:
         return AblationConfig.model_validate(yaml.safe_load(p.read_text()))
     except ValidationError as e:
@@ -269,7 +268,7 @@ def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int
 
 def add_ablate_command(sub) -> None:
     p = sub.add_parser("ablate", help="run an ablation grid (decoders, parts, knobs x tasks x models)")
-    p.add_argument("config", help="ablation YAML, or the file name of a shipped one (experiments/configs/)")
+    p.add_argument("config", help="ablation YAML, or the name of a shipped one (experiments/configs/{ablations,tuning,research}/)")
     p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
     p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
     add_resume_args(p)

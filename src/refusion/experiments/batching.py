@@ -25,7 +25,7 @@ from typing import Any
 
 from refusion.core.config import ConfigError
 from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import DEFAULT_CONFIG, add_resume_args, bench_runs, load_bench_config, with_models
+from refusion.experiments.bench import add_resume_args, bench_config_path, bench_runs, load_bench_config, with_models
 from refusion.experiments.runner import (
     Run, check_batch_size, decode_share_s, evaluate, forward_share_s, summarize, write_json,
 )
@@ -189,7 +189,7 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
     if time_forwards is None:
         time_forwards = options.device_map is None and (options.device or "cpu") == "cpu"
     runs = batching_runs(bench_runs(cfg, decoders or cfg.decoder_rows, tasks, overrides), sizes)
-    inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
+    inputs = {"bench_config": str(bench_config_path(config)), "set": list(overrides),
               "model": list(models), "limit": limit, "batch_sizes": sizes}
     records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=options, desc="batch-bench",
                        time_forwards=time_forwards, rerun_changed=rerun_changed, inputs=inputs)
@@ -211,7 +211,7 @@ def add_batching_command(sub) -> None:
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--out", default="runs/batch-bench",
                    help="output folder (samples.jsonl, results.json, results.md, throughput.png/.svg)")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
+    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
                    help="run DECODER on this model folder or checkpoint name instead of the configured one")

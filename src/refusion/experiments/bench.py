@@ -1,6 +1,6 @@
 """``refusion bench``: every decoder on every tinybench task with its shipped checkpoint.
 
-Each decoder runs on its own model (``configs/bench.yaml``: refusion on tiny-refusion, ar on tiny-ar,
+Each decoder runs on its own model (``configs/bench/bench.yaml``: refusion on tiny-refusion, ar on tiny-ar,
 llada on tiny-mdm, block on tiny-block) with per-task settings chosen on the validation split. The
 engine (``runner.py``) interleaves decoders per sample, records each sample as it finishes and resumes
 with ``--resume``. The config's optional ``runtime:`` mapping (device, dtype, attn_implementation,
@@ -25,10 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from refusion.core.config import ConfigError, apply_overrides
 from refusion.core.threads import add_threads_arg, set_threads
+from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import Run, check_batch_size, evaluate, print_table, summarize, write_json
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "bench.yaml"
+DEFAULT_CONFIG = CONFIGS_DIR / "bench" / "bench.yaml"
 GOAL_SPEEDUP, GOAL_POINTS = 2.0, 2.0  # the paper's claim: >= 2x AR's tokens/s, accuracy within 2 points of AR's
 
 
@@ -117,8 +118,15 @@ def check_row_overrides(overrides: list[str], rows: list[str]) -> None:
             raise ConfigError(f"--set {item!r}: no row {target!r} is run; rows: {', '.join(rows)}")
 
 
+def bench_config_path(path: str | Path | None = None) -> Path:
+    """The absolute path of the bench config ``path`` names (:func:`load_bench_config`)."""
+    return (find_config(path, "bench", what="bench config") if path else DEFAULT_CONFIG).resolve()
+
+
 def load_bench_config(path: str | Path | None = None) -> BenchConfig:
-    p = Path(path) if path else DEFAULT_CONFIG
+    """The bench config at ``path`` or the shipped one of that name (``llada_b8_picks``); default the shipped
+    ``bench.yaml``."""
+    p = bench_config_path(path)
     try:
         return BenchConfig.model_validate(yaml.safe_load(p.read_text()))
     except Exception as e:  # pydantic or YAML error: name the file
@@ -277,7 +285,7 @@ def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, o
     cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides,
                       batch_size if batch_size is not None else cfg.batch_size, seeds=seeds)
-    inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
+    inputs = {"bench_config": str(bench_config_path(config)), "set": list(overrides),
               "model": list(models), "limit": limit, **({"seeds": seeds} if seeds > 1 else {})}
     if jobs > 1:
         worker_flags = _worker_flags(tasks, decoders, limit, split, config, overrides, runtime, models, batch_size)
@@ -344,7 +352,7 @@ def add_bench_command(sub) -> None:
     p.add_argument("--limit", type=int, default=0, help="samples per task (default 0: the whole split, 200 per task)")
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--out", default="runs/bench", help="output folder (samples.jsonl, results.json, plots)")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
+    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
                    help="override every row's decoder config, or with ROW: one row's (e.g. refusion:scorer=mean_prob)")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from refusion.core import host
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import DEFAULT_CONFIG, bench_runs, load_bench_config
+from refusion.experiments.bench import bench_config_path, bench_runs, load_bench_config
 
 #: how far under each row's top logit a stand-in's new ids are put (``mask_new_ids``)
 NEW_ID_GAP = 40.0
@@ -198,7 +198,7 @@ def add_profile_command(sub) -> None:
     p.add_argument("--raw-vocab", action="store_true",
                    help="with --vocab: keep the new ids' logits at 0 (the zero rows' own), not 40 under each row's top")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
+    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
     p.add_argument("--out", default="runs/profile", help="output folder (profile.json, profile.md)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     p.add_argument("--device", default="cpu")
@@ -224,7 +224,7 @@ def cmd_profile(a) -> int:
     cfg = load_bench_config(a.config)
     runs = bench_runs(cfg, decoders or cfg.decoder_rows, tasks, a.set)
     write_manifest(out, build_manifest("profile", run_entries(runs, tasks, a.split, RuntimeOptions(device=a.device)),
-                                       {"bench_config": str(Path(a.config).resolve() if a.config else DEFAULT_CONFIG),
+                                       {"bench_config": str(bench_config_path(a.config)),
                                         "set": a.set, "limit": a.limit, "vocab": a.vocab, "raw_vocab": a.raw_vocab}))
     if a.json:
         print(json.dumps(rows, indent=1))

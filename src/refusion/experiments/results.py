@@ -3,7 +3,7 @@
 The page goes to ``OUT/results.md`` (``--doc PATH`` elsewhere); ``--write-docs`` rewrites the shipped
 ``docs/results.md``, so that a trial run never overwrites it by default.
 
-Runs each ablation config of ``experiments/configs/`` (all but the validation-split tuning grid) with
+Runs each ablation config of ``experiments/configs/ablations/`` with
 the same engine as ``refusion ablate`` into ``OUT/<name>/`` (resumable: ``--resume`` skips finished
 samples), times each, draws its plots next to the document and writes one markdown page: the command,
 the machine, per ablation its table, figures, the paper's own finding beside it and a verdict. Each
@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from refusion.core.machine import machine
-from refusion.experiments.ablate import CONFIGS_DIR, load_ablation, plot, run_ablation
+from refusion.experiments.ablate import load_ablation, plot, run_ablation
+from refusion.experiments.config_files import shipped_configs
 from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
 
 if TYPE_CHECKING:
@@ -636,7 +637,7 @@ def run_all(out: Path, doc: Path, names: list[str] | None = None, limit: int | N
     ``rerun_changed`` act in each ablation's folder as in ``refusion ablate``."""
     from refusion.experiments.manifest import build_manifest, write_manifest
 
-    everything = [n for n in ORDER if (CONFIGS_DIR / f"{n}.yaml").is_file()]
+    everything = [n for n in ORDER if n in shipped_configs("ablations")]
     names = names or everything
     timing_file = out / "timings.json"
     timings: dict[str, float] = json.loads(timing_file.read_text()) if timing_file.exists() else {}

@@ -1,6 +1,6 @@
 """``refusion trace``: decode one prompt with several decoders and draw, iteration by iteration, what each did.
 
-Each decoder runs on the model and with the settings the bench config (``configs/bench.yaml``) gives it
+Each decoder runs on the model and with the settings the bench config (``configs/bench/bench.yaml``) gives it
 for ``--task``; the prompt is that task's sample ``--idx`` or ``--prompt``. Every decode becomes a
 :class:`Lane`: the generation span as one cell per position (its token, the iteration that committed
 it, whether the output keeps it) and one :class:`Step` per iteration, read from the decoder's
@@ -306,7 +306,7 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--out", default="trace.html", help="the HTML page to write (default trace.html)")
     p.add_argument("--svg", help="the animated SVG to write (default: --out with the suffix .svg)")
     p.add_argument("--svg-width", type=int, default=56, metavar="CHARS", help="characters per SVG line (default 56)")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
+    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
                    help="override every lane's decoder config, or with ROW: one lane's (e.g. refusion:scorer=mean_prob)")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",

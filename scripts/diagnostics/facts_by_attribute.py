@@ -1,15 +1,15 @@
 """facts, split by attribute: where do the misses fall, and can the model judge the walk's options?
 
-    python docs/history/diagnostics/facts_by_attribute.py accuracy [--split test] RUN_DIR [RUN_DIR ...]
+    python scripts/diagnostics/facts_by_attribute.py accuracy [--split test] RUN_DIR [RUN_DIR ...]
         per run of each bench/ablate output folder: right answers per attribute (the folders' split:
         validation unless --split names another)
-    python docs/history/diagnostics/facts_by_attribute.py judge [--n N] MODEL [MODEL ...]
+    python scripts/diagnostics/facts_by_attribute.py judge [--n N] MODEL [MODEL ...]
         teacher-forced on the gold answers of the validation capital questions, natural order: how often
         the model's next-token logits rank the gold judgement (" yes" / " no") above the other one, and
         on how many questions all four judgements are right; --n N: N capital questions drawn afresh
         (seed 0) among those whose query falls in the validation split, for a finer measure than the
         split's 39
-    python docs/history/diagnostics/facts_by_attribute.py layout MODEL [SLOT_SIZES]
+    python scripts/diagnostics/facts_by_attribute.py layout MODEL [SLOT_SIZES]
         the `refusion` objective's training layout of the train split's capital questions (slot sizes:
         the objective's default, or e.g. 16,32; 5 draws each, seed 0, the MODEL's tokenizer): how often
         the right option's " yes" is a training target (AR: from the clean token before it; MDM: as a

@@ -1,6 +1,6 @@
 """Greedy-decode the multiple-choice questions of a facts JSON file and count right letters.
 
-    python docs/history/diagnostics/facts_probe.py MODEL_DIR VALIDATION_JSON [N]
+    python scripts/diagnostics/facts_probe.py MODEL_DIR VALIDATION_JSON [N]
 """
 import collections
 import json

@@ -1,8 +1,8 @@
 """Where ReFusion's decoding time goes, forward by forward (CPU, 2 threads; run on a quiet machine).
 
-    python docs/history/diagnostics/refusion_forwards.py width MODEL
+    python scripts/diagnostics/refusion_forwards.py width MODEL
         median time of one forward of W [MASK]s after an 80-token cached prefix, for several W
-    python docs/history/diagnostics/refusion_forwards.py stages MODEL TASK N [KEY=VALUE ...]
+    python scripts/diagnostics/refusion_forwards.py stages MODEL TASK N [KEY=VALUE ...]
         decode the first N validation samples of TASK with bench.yaml's settings for it (plus the
         overrides) and sum the forwards by the decoder step that made them: calls, mean width, time
 """

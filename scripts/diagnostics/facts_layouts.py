@@ -1,6 +1,6 @@
 """Write the facts train/validation splits in one of three answer layouts, as JSON for ``refusion train``.
 
-    python docs/history/diagnostics/facts_layouts.py LAYOUT OUT_DIR     # LAYOUT: v2 | walk_value_first | walk
+    python scripts/diagnostics/facts_layouts.py LAYOUT OUT_DIR     # LAYOUT: v2 | walk_value_first | walk
 
 ``v2``: options "- swan (A)", answer "The animal of X is the owl (B). The answer is B."
 ``walk_value_first``: same options, answer "The animal of X is the owl. swan (A) no, owl (B) yes, ... The answer is B."

@@ -1,7 +1,7 @@
 """Does a diffusion-trained model fit its training examples better than unseen ones? Per task, the
 objective's masked accuracy on train examples against validation examples, under the same fixed noise.
 
-    python docs/history/diagnostics/masked_acc_splits.py MODEL [OBJECTIVE] [N]
+    python scripts/diagnostics/masked_acc_splits.py MODEL [OBJECTIVE] [N]
 
 MODEL: a model folder or shipped checkpoint name; OBJECTIVE: `refusion` (default), `mdm` or `block`;
 N: examples per task and split (default 192, in batches of 64, noise seeded per batch). facts' train

@@ -9,7 +9,7 @@ slot of this one (slots completed side by side in Stage II-b never see each othe
 model decoded AR greedy (the ``ar`` decoder) also gets the sample wrong: then the error is the model's,
 not parallel decoding's.
 
-    python docs/history/diagnostics/first_error.py MODEL TASK N [--split validation|test] [KEY=VALUE ...]
+    python scripts/diagnostics/first_error.py MODEL TASK N [--split validation|test] [KEY=VALUE ...]
 
 KEY=VALUE override the bench settings (``verifier.token_threshold=0.9``). One thread.
 """
