@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from refusion.core.machine import machine
 from refusion.experiments.ablate import load_ablation, plot, run_ablation
 from refusion.experiments.config_files import shipped_configs
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 
 if TYPE_CHECKING:
     from refusion.experiments.stats import Interval
@@ -583,12 +583,13 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
 
 def ablation_command(name: str, out: Path, limit: int | None, resume: bool,
                      runtime: RuntimeOptions | None = None, rerun_changed: bool = False) -> list[str]:
-    """The ``refusion ablate`` command line that runs one ablation into ``out`` (with ``runtime``'s flags),
-    in one torch thread."""
-    cmd = [sys.executable, "-m", "refusion.cli", "ablate", name + ".yaml", "--out", str(out), "--threads", "1",
-           *(runtime.as_flags() if runtime else [])]
-    return (cmd + (["--limit", str(limit)] if limit else []) + (["--resume"] if resume else [])
-            + (["--rerun-changed"] if rerun_changed else []))
+    """The worker command that runs one ablation into ``out`` (:func:`run_ablation` with these settings, written
+    to ``OUT/call.json``: :func:`refusion.core.workers.call_command`), in one torch thread."""
+    from refusion.core.workers import call_command
+
+    return call_command(Path(out) / "call.json", run_ablation, {
+        "config": name + ".yaml", "out": Path(out), "resume": resume, "limit": limit, "runtime": runtime,
+        "rerun_changed": rerun_changed})
 
 
 def decode_count(name: str, limit: int | None = None) -> int:
@@ -684,25 +685,21 @@ DOCS_PAGE = Path("docs/results.md")  # the shipped page, rewritten only with --w
 
 
 def add_results_command(sub) -> None:
-    from refusion.core.threads import add_threads_arg
-    from refusion.experiments.bench import add_resume_args
+    from refusion.experiments.args import add_machine_args, add_output_args, add_resume_args
 
     p = sub.add_parser("results", help="run every shipped ablation and write the results page from it "
                                        "(OUT/results.md; --write-docs: docs/results.md)")
-    p.add_argument("--out", default="runs/results", help="output folder (one subfolder per ablation, "
-                                                          "manifest.json, and results.md unless --doc or --write-docs)")
+    add_output_args(p, "runs/results", "one subfolder per ablation, manifest.json, and results.md unless --doc or "
+                                       "--write-docs", None, "for every ablation; default: each file's limit")
     p.add_argument("--doc", default=None, help="the markdown page to write, figures beside it (default OUT/results.md)")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the shipped page, {DOCS_PAGE}, instead of OUT/results.md (run from the repository root)")
     p.add_argument("--only", help="comma-separated ablation names (default: all of " + ", ".join(ORDER) + ")")
-    p.add_argument("--limit", type=int, help="samples per task for every ablation (default: each file's limit)")
     add_resume_args(p)
-    p.add_argument("--jobs", type=int, default=1,
-                   help="run the ablations in this many one-thread worker processes (2 on a 2-core machine)")
     p.add_argument("--doc-only", action="store_true",
                    help="run nothing: rewrite the page from the results already in --out (give the run's --limit/--jobs)")
-    add_runtime_args(p)
-    add_threads_arg(p)
+    add_machine_args(p, device_help="cpu, cuda or cuda:N (default cpu)",
+                     jobs_help="run the ablations in this many one-thread worker processes (2 on a 2-core machine)")
     p.set_defaults(func=cmd_results)
 
 
