@@ -44,13 +44,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from refusion.core.config import ConfigError
-from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import add_resume_args, load_bench_config
+from refusion.core.threads import set_threads
+from refusion.experiments.bench import load_bench_config
 from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import (
     Run, check_batch_size, evaluate, markdown_table, print_table, summarize, write_json,
 )
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 
 
 
@@ -267,16 +267,14 @@ def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int
 
 
 def add_ablate_command(sub) -> None:
+    from refusion.experiments.args import add_batch_size_arg, add_machine_args, add_output_args, add_resume_args
+
     p = sub.add_parser("ablate", help="run an ablation grid (decoders, parts, knobs x tasks x models)")
     p.add_argument("config", help="ablation YAML, or the name of a shipped one (experiments/configs/{ablations,tuning,research}/)")
-    p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
-    p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
+    add_output_args(p, None, "default runs/ablate/NAME", None, "overrides the file's limit")
     add_resume_args(p)
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
-                        "(default: the file's batch_size, else the bench config's, else 1)")
-    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
-    add_threads_arg(p)
+    add_batch_size_arg(p, "the file's batch_size, else the bench config's, else 1")
+    add_machine_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
     p.set_defaults(func=cmd_ablate)
 
 

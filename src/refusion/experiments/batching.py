@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from refusion.core.config import ConfigError
-from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import add_resume_args, bench_config_path, bench_runs, load_bench_config, with_models
+from refusion.core.threads import set_threads
+from refusion.experiments.bench import bench_config_path, bench_runs, load_bench_config, with_models
 from refusion.experiments.runner import (
     Run, check_batch_size, decode_share_s, evaluate, forward_share_s, summarize, write_json,
 )
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 
 DEFAULT_SIZES = "1,4,16"
 
@@ -201,26 +201,20 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
 
 
 def add_batching_command(sub) -> None:
+    from refusion.experiments.args import add_machine_args, add_output_args, add_resume_args, add_rows_args
+
     p = sub.add_parser("batch-bench", help="throughput against batch size: each decoder on the same samples at "
                                            "each batch size")
     p.add_argument("--batch-sizes", default=DEFAULT_SIZES,
                    help=f"comma-separated batch sizes (default {DEFAULT_SIZES}; 1, the reference, always runs)")
-    p.add_argument("--tasks", default="arith,code,facts", help="comma-separated tinybench tasks")
-    p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
-    p.add_argument("--limit", type=int, default=32, help="samples per task (default 32; 0: the whole split)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
-    p.add_argument("--out", default="runs/batch-bench",
-                   help="output folder (samples.jsonl, results.json, results.md, throughput.png/.svg)")
-    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
-    p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
-                   help="run DECODER on this model folder or checkpoint name instead of the configured one")
+    add_rows_args(p)
+    add_output_args(p, "runs/batch-bench", "samples.jsonl, results.json, results.md, throughput.png/.svg", 32,
+                    "default 32; 0: the whole split")
     add_resume_args(p)
     p.add_argument("--time-forwards", action=argparse.BooleanOptionalAction, default=None,
                    help="time every model forward for the fwd %% column (default: on the CPU only; on a GPU it "
                         "adds two synchronisations per forward)")
-    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    add_threads_arg(p)
+    add_machine_args(p)
     p.set_defaults(func=cmd_batching)
 
 

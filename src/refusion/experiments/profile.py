@@ -188,18 +188,15 @@ def profile(tasks: list[str], decoders: list[str] | None = None, limit: int | No
 
 
 def add_profile_command(sub) -> None:
+    from refusion.experiments.args import add_output_args, add_rows_args
+
     p = sub.add_parser("profile", help="where each decoder's time goes: forwards, output-head rows, host syncs")
-    p.add_argument("--tasks", default="arith,code,facts", help="comma-separated tinybench tasks")
-    p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
-    p.add_argument("--limit", type=int, default=5, help="samples per task (default 5)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
+    add_rows_args(p, models=False)
+    add_output_args(p, "runs/profile", "profile.json, profile.md", 5, "default 5")
     p.add_argument("--vocab", type=int, default=None, metavar="N",
                    help="profile stand-ins widened to N vocabulary rows (e.g. 151936, Qwen's) instead of the models")
     p.add_argument("--raw-vocab", action="store_true",
                    help="with --vocab: keep the new ids' logits at 0 (the zero rows' own), not 40 under each row's top")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
-    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
-    p.add_argument("--out", default="runs/profile", help="output folder (profile.json, profile.md)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     p.add_argument("--device", default="cpu")
     add_threads_arg(p)
