@@ -178,11 +178,7 @@ def build_runs(cfg: AblationConfig, batch_size: int | None = None) -> list[Run]:
 
 
 def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from refusion.experiments.figures import legend_below, save, task_panels
     from refusion.tasks import chance_accuracy
 
     tasks = sorted({r["task"] for r in rows})
@@ -190,7 +186,7 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
     scale = (lambda v: 100 * v) if spec.y == "accuracy" else (lambda v: v)
     labels = list(dict.fromkeys(r["run"] for r in rows))
     legend_h = 0.0 if swept else 0.25 * ((len(labels) + 3) // 4) + 0.1  # inches below the axes
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6 + legend_h), squeeze=False)
+    fig, axes = task_panels(len(tasks), height=3.6 + legend_h)
     decoders = list(dict.fromkeys(r["decoder"] for r in rows))
     colors = {d: f"C{i}" for i, d in enumerate(decoders)}  # one colour per decoder, or per run if only one
 
@@ -198,7 +194,7 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
         return colors[r["decoder"]] if len(decoders) > 1 else f"C{labels.index(r['run']) % 10}"
 
     markers = "osD^v<>pPX*h"
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes, tasks):
         pts = [r for r in rows if r["task"] == task and r.get(spec.x) is not None]
         if swept:
             pts.sort(key=lambda r: r[spec.x])
@@ -221,18 +217,11 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
                 ax.annotate("chance", (0.01, 100 * guess), xycoords=("axes fraction", "data"), fontsize=7,
                             color="gray", va="bottom")
         ax.grid(alpha=0.3)
-    handles = {} if swept else {h.get_label(): h for ax in axes[0] for h in ax.collections}
-    if handles:
-        fig.legend([handles[lbl] for lbl in labels if lbl in handles], [lbl for lbl in labels if lbl in handles],
-                   loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
-    fig.suptitle(spec.title or f"{spec.y} vs {spec.x}")
-    fig.tight_layout(rect=(0, legend_h / (3.6 + legend_h), 1, 1))
-    paths = [out / f"{stem}.png", out / f"{stem}.svg"]
-    with matplotlib.rc_context({"svg.hashsalt": stem}):  # the same rows give the same files (no ids, no date)
-        fig.savefig(paths[0], dpi=130, metadata={"Software": None})
-        fig.savefig(paths[1], metadata={"Date": None})
-    plt.close(fig)
-    return paths
+    handles = {} if swept else {h.get_label(): h for ax in axes for h in ax.collections}
+    legend_below(fig, [handles[lbl] for lbl in labels if lbl in handles], [lbl for lbl in labels if lbl in handles],
+                 ncol=min(4, len(handles)), title=spec.title or f"{spec.y} vs {spec.x}",
+                 bottom=legend_h / (3.6 + legend_h), fontsize=8)
+    return save(fig, out, stem)
 
 
 def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,

@@ -26,9 +26,8 @@ from typing import Any
 from refusion.core.config import ConfigError
 from refusion.core.threads import set_threads
 from refusion.experiments.bench import bench_config_path, bench_runs, load_bench_config, with_models
-from refusion.experiments.runner import (
-    Run, check_batch_size, decode_share_s, evaluate, forward_share_s, summarize, write_json,
-)
+from refusion.experiments.records import SampleRecord, sample_records
+from refusion.experiments.runner import Run, check_batch_size, evaluate, summarize, write_json
 from refusion.models.loading import RuntimeOptions, runtime_from_args
 
 DEFAULT_SIZES = "1,4,16"
@@ -82,25 +81,24 @@ def batching_rows(records: list[dict[str, Any]], runs: list[Run]) -> list[dict[s
         r["decoder"] = base[r["run"]]  # the bench's decoder label (its row name in the bench's tables)
         r.pop("speedup", None)
     by_key = {(r["decoder"], r["task"], r["batch_size"]): r for r in rows}
-    ids_1 = {(base[x["run"]], x["task"], x["idx"]): x["token_ids"] for x in records
-             if x["run"] in base and x.get("batch_size", 1) == 1}
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for x in records:
-        if x["run"] in base:
-            groups.setdefault((x["run"], x["task"]), []).append(x)
+    samples = [x for x in sample_records(records) if x.run in base]
+    ids_1 = {(base[x.run], x.task, x.idx): x.token_ids for x in samples if (x.batch_size or 1) == 1}
+    groups: dict[tuple[str, str], list[SampleRecord]] = {}
+    for x in samples:
+        groups.setdefault((x.run, x.task), []).append(x)
     for r in rows:
         rs = groups[r["run"], r["task"]]
         one = by_key.get((r["decoder"], r["task"], 1))
         ar = by_key.get(("ar", r["task"], r["batch_size"]))
         r["vs_batch_1"] = _ratio(r, one)
         r["speedup_vs_ar"] = _ratio(r, ar)
-        fwd = [forward_share_s(x) for x in rs]
-        wall = sum(decode_share_s(x) for x in rs)
+        fwd = [x.forward_share_s() for x in rs]
+        wall = sum(x.decode_share_s() for x in rs)
         r["forward_share"] = sum(fwd) / wall if wall and None not in fwd else None
         if r["batch_size"] == 1:
             r["differ_from_batch_1"] = r["compared_with_batch_1"] = None
         else:
-            pairs = [(x["token_ids"], ids_1.get((r["decoder"], x["task"], x["idx"]))) for x in rs]
+            pairs = [(x.token_ids, ids_1.get((r["decoder"], x.task, x.idx))) for x in rs]
             r["differ_from_batch_1"] = sum(a != b for a, b in pairs if b is not None)
             r["compared_with_batch_1"] = sum(b is not None for _, b in pairs)
     order = {r.label: i for i, r in enumerate(runs)}
@@ -120,37 +118,30 @@ def _cell(key: str, value: Any) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(k, r.get(k)) for k, _ in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    from refusion.experiments.tables import cells, markdown
+
+    return markdown([h for _, h in COLUMNS], cells(rows, COLUMNS, _cell))
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from refusion.experiments.tables import cells, print_rich
 
-    table = Table(title=title)
-    for key, head in COLUMNS:
-        table.add_column(head, justify="left" if key in ("decoder", "task") else "right")
-    for r in rows:
-        table.add_row(*(_cell(k, r.get(k)) for k, _ in COLUMNS))
-    Console(markup=False).print(table)
+    print_rich([h for _, h in COLUMNS], cells(rows, COLUMNS, _cell), title, left=("decoder", "task"),
+               where="results.md in the output folder holds every column")
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Aggregate tokens/s against batch size (log scale), one panel per task, one line per decoder (one
     colour per decoder, legend below the panels); writes throughput.png and throughput.svg."""
-    import matplotlib
+    from refusion.experiments.figures import legend_below, pyplot, save, task_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tasks = sorted({r["task"] for r in rows})
     decoders = list(dict.fromkeys(r["decoder"] for r in rows))
     sizes = sorted({r["batch_size"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.9), squeeze=False)
+    fig, axes = task_panels(len(tasks))
     colors = {d: plt.cm.tab10(i) for i, d in enumerate(decoders)}
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes, tasks):
         for d in decoders:
             line = sorted((r for r in rows if r["task"] == task and r["decoder"] == d), key=lambda r: r["batch_size"])
             ax.plot([r["batch_size"] for r in line], [r["tokens_per_second"] for r in line], marker="o",
@@ -162,15 +153,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], marker="o", color=colors[d]) for d in decoders]
-    fig.legend(handles, decoders, loc="lower center", ncol=len(decoders), frameon=False)
-    fig.suptitle("tinybench: decoding throughput vs batch size")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    paths = [out / "throughput.png", out / "throughput.svg"]
-    with matplotlib.rc_context({"svg.hashsalt": "throughput"}):  # the same rows give the same files
-        fig.savefig(paths[0], dpi=130, metadata={"Software": None})
-        fig.savefig(paths[1], metadata={"Date": None})
-    plt.close(fig)
-    return paths
+    legend_below(fig, handles, decoders, ncol=len(decoders), title="tinybench: decoding throughput vs batch size")
+    return save(fig, out, "throughput")
 
 
 def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int], limit: int | None, out: Path,

@@ -192,16 +192,14 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Accuracy against tokens/s, one panel per task, one colour per decoder (legend below the panels),
     each point labelled with its TPF in the point's colour, the goal region (>= 2x ar's tokens/s, within
     2 points of ar's accuracy) shaded; writes bench.png and bench.svg."""
-    import matplotlib
+    from refusion.experiments.figures import legend_below, pyplot, save, task_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tasks = sorted({r["task"] for r in rows})
     runs = sorted({r["run"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.9), squeeze=False)
+    fig, axes = task_panels(len(tasks))
     colors = {d: plt.cm.tab10(i) for i, d in enumerate(runs)}
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes, tasks):
         pts = sorted((r for r in rows if r["task"] == task), key=lambda r: -r["accuracy"])
         ar = next((r for r in pts if r["run"] == "ar"), None)
         xhi = max(1.3 * max(r["tokens_per_second"] for r in pts), 2.6 * ar["tokens_per_second"] if ar else 0)
@@ -228,14 +226,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     if any(r["run"] == "ar" for r in rows):
         handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:green", alpha=0.1))
         labels.append(f">= {GOAL_SPEEDUP:g}x ar's tokens/s, accuracy within {GOAL_POINTS:g} points of ar")
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle("tinybench: accuracy vs decoding speed")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    paths = [out / "bench.png", out / "bench.svg"]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
-    return paths
+    legend_below(fig, handles, labels, ncol=len(labels), title="tinybench: accuracy vs decoding speed")
+    return save(fig, out, "bench")
 
 
 def goal_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -71,24 +71,18 @@ def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    from refusion.experiments.tables import cells, markdown
+
     cols = _columns(rows)
-    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(k, r.get(k)) for k, _ in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown([h for _, h in cols], cells(rows, cols, _cell))
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from refusion.experiments.tables import cells, print_rich
 
-    table = Table(title=title)
     cols = _columns(rows)
-    for _, head in cols:
-        table.add_column(head, justify="left" if head in ("decoder", "task") else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(*(_cell(k, r.get(k)) for k, _ in cols))
-    console = Console()
-    Console(width=None if console.is_terminal else 200, markup=False).print(table)  # a file or pipe gets every column whole
+    print_rich([h for _, h in cols], cells(rows, cols, _cell), title, left=("decoder", "task"),
+               where="profile.md in the output folder holds every column")
 
 
 def _row(decoder: str, task: str, model: str, vocab: int, samples: list[dict[str, Any]],

@@ -14,6 +14,9 @@ positions.
 side, a shared iteration slider, step and play buttons, each lane's per-iteration details and its final
 text; :func:`build_svg` writes an animated SVG (CSS keyframes, no script) of the output's cells filling
 in, one iteration per beat, for the README. docs/trace.md says how to read both.
+
+Why one module of about 560 lines: the lanes read from the traces, the SVG drawing and the command share
+the :class:`Lane` / :class:`Step` layout (geometry and colours) that only this view uses.
 """
 
 from __future__ import annotations

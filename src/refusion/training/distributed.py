@@ -46,6 +46,9 @@ Face folder (bf16 safetensors, written by rank 0 from the gathered state dict). 
 the largest difference of a parameter checksum between ranks (0 when DDP kept them synchronised; None under
 FSDP / DeepSpeed); ``summary["weights"]`` says per rank how the initial weights were loaded (dtype, device,
 bytes held) and ``summary["data"]`` which store was used and which rank tokenised it.
+
+Why one module of about 500 lines: the accelerate runtime, the start-up loaders and the entry point
+share the accelerator object and the DeepSpeed configuration it is prepared with.
 """
 
 from __future__ import annotations

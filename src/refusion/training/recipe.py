@@ -44,6 +44,9 @@ the task the hybrid arm learns slowest. Every arm gets the same base, steps, rou
 so the comparison stays controlled. With ``--jobs N`` the fine-tunes and refine rounds run in N one-thread
 worker processes; on 2 CPU cores (``--jobs 2``) the whole recipe takes ~28 h, a one-thread step ~1.2-1.4 s
 for ``ar`` and ``refusion`` and ~2.3-2.5 s for ``block`` and ``mdm``.
+
+Why one module of about 490 lines: its stages share one summary file and one folder layout, which
+:func:`run_recipe`, :func:`adopt_stage`, the fine-tune workers and :func:`report` all read.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ Files written to ``out_dir`` (the local runtime's state files; the accelerate ru
 Randomness: batches are drawn from epoch permutations of a ``data`` generator, objective noise from a
 separate ``noise`` generator, both seeded from ``seed`` (noise: ``seed + 1 + rank * NOISE_SEED_STRIDE``)
 and saved in the state.
+
+Why one module of about 550 lines: the sampler, the runtime interface and the loop save and restore one
+resumable state together; split, each would need the others' private fields.
 """
 
 from __future__ import annotations
