@@ -118,10 +118,11 @@ def settings_from_args(model: type[M], args: argparse.Namespace, names: Iterable
                        config_file: str | Path | None = None, sets: Iterable[str] = (),
                        route_set: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                        fixed: dict[str, Any] | None = None) -> M:
-    """``model`` from its defaults < ``config_file`` < the flags of ``names`` given in ``args`` < ``sets``
-    (``key=value``; ``route_set`` may move keys, e.g. unknown ones into an options mapping) < ``fixed``."""
+    """``model`` from its defaults < ``config_file`` < the flags of ``names`` given in ``args`` (a flag left
+    at None counts as not given) < ``sets`` (``key=value``; ``route_set`` may move keys, e.g. unknown ones
+    into an options mapping) < ``fixed``."""
     data: dict[str, Any] = load_config_file(config_file) if config_file else {}
-    given = {n: getattr(args, n) for n in (names or model.model_fields) if hasattr(args, n)}
+    given = {n: getattr(args, n) for n in (names or model.model_fields) if getattr(args, n, None) is not None}
     data = merge(data, given)
     extra = parse_sets(sets)
     data = merge(data, route_set(extra) if route_set else extra)

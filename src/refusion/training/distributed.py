@@ -64,7 +64,7 @@ from typing import Any, Sequence
 
 import torch
 
-from refusion.core.objective import Objective, Pair
+from refusion.core.objective import Pair
 from refusion.models.build import record_objective
 from refusion.models.loading import save_tokenizer
 from refusion.training.config import DistributedRun, TrainConfig
@@ -269,20 +269,9 @@ class DistributedTrainer(Trainer):
     """:class:`~refusion.training.trainer.Trainer` over the processes of ``accelerator`` (None: a plain
     ``Accelerator``, on the CPU when there is no GPU)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        objective: Objective,
-        train_pairs: Sequence[Pair],
-        config: TrainConfig,
-        out_dir: str | Path,
-        accelerator: Any = None,
-        val_pairs: Sequence[Pair] | None = None,
-        final_dir: str | Path | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir,
-                         runtime=AccelerateRuntime(accelerator))
+    def __init__(self, *args: Any, accelerator: Any = None, **kwargs: Any) -> None:
+        """:class:`~refusion.training.trainer.Trainer`'s arguments, its runtime the accelerator's."""
+        super().__init__(*args, runtime=AccelerateRuntime(accelerator), **kwargs)
         self.accelerator = self.runtime.accelerator
 
 

@@ -67,19 +67,8 @@ import torch
 from refusion.training.config import RecipeConfig
 
 _DEFAULTS = {name: info.default for name, info in RecipeConfig.model_fields.items() if not info.is_required()}
-# the recipe's defaults, as RecipeConfig (training/config.py) defines them
-DEFAULT_PRETRAIN_STEPS = _DEFAULTS["pretrain_steps"]
-DEFAULT_FINETUNE_STEPS = _DEFAULTS["finetune_steps"]
-DEFAULT_BATCH_SIZE = _DEFAULTS["batch_size"]
-PRETRAIN_LR = _DEFAULTS["pretrain_lr"]
-FINETUNE_LR = _DEFAULTS["finetune_lr"]
-DEFAULT_REFINE_STEPS = _DEFAULTS["refine_steps"]
-DEFAULT_REFINE_ROUNDS = _DEFAULTS["refine_rounds"]
-DEFAULT_BASE_AR_STEPS = _DEFAULTS["base_ar_steps"]
-GROUP_BY_LENGTH = _DEFAULTS["group_by_length"]
-LONG_SLOTS_FROM_ROUND = _DEFAULTS["long_slots_from"]
-MIX_FROM_ROUND = _DEFAULTS["mix_from"]
-OBJECTIVES = _DEFAULTS["objectives"]
+GROUP_BY_LENGTH = _DEFAULTS["group_by_length"]  # RecipeConfig's defaults (training/config.py)
+LONG_SLOTS_FROM_ROUND, MIX_FROM_ROUND = _DEFAULTS["long_slots_from"], _DEFAULTS["mix_from"]
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
 LONG_SLOT_SIZES = [16, 32]
