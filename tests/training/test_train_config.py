@@ -36,7 +36,7 @@ def test_each_command_line_default_is_the_config_models(name, parser, models):
             continue
         covered.add(action.dest)
         model = next(m for m in models if action.dest in m.model_fields)
-        if action.dest == "threads":
+        if action.dest == "threads" and action.default is None:  # refusion train: --threads N|auto
             assert action.default is None and f"default {default_text(model, 'threads')}" in action.help
             continue
         assert action.default is argparse.SUPPRESS, (name, action.dest, action.default)
@@ -100,6 +100,7 @@ def test_workers_receive_their_settings_as_a_written_file(tmp_path, monkeypatch)
     from refusion.core import workers
 
     spec = workers.write_call(tmp_path / "call.json", dict, {"config": RecipeConfig(out="o", seed=3),
-                                                             "out": tmp_path, "shard": (1, 2), "names": ["a"]})
+                                                             "out": tmp_path, "shard": (1, 2), "names": ["a"]},
+                              threads=None)  # a worker sets its torch threads; this process keeps its own
     assert workers.run_call(spec) == {"config": RecipeConfig(out="o", seed=3), "out": tmp_path, "shard": (1, 2),
                                       "names": ["a"]}
