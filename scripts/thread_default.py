@@ -21,6 +21,7 @@ the summary into ``OUT/thread_default.json``::
 
     python scripts/thread_default.py --out runs/thread_default            # the measurement (--limit 50)
     python scripts/thread_default.py --out runs/td --limit 2 --tasks arith --settle 0   # a smoke run
+    python scripts/thread_default.py --out runs/thread_default --summarize cores   # a stopped candidate's medians
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def speedups(folder: Path) -> dict[str, float]:
     return {r["task"]: r["speedup_vs_ar"] for r in rows if r["run"] == "refusion" and r["speedup_vs_ar"]}
 
 
+def median_decode_s(folder: Path) -> dict[tuple[str, str], tuple[float, int]]:
+    """(run, task) -> (median seconds per decode, samples) in a bench folder (a stopped run's too)."""
+    import statistics
+
+    walls: dict[tuple[str, str], list[float]] = {}
+    path = folder / "samples.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.strip():
+            r = json.loads(line)
+            walls.setdefault((r["run"], r["task"]), []).append(r["wall_s"])
+    return {key: (statistics.median(w), len(w)) for key, w in walls.items()}
+
+
+def summarize_stopped(out: Path, name: str) -> None:
+    """Print what a candidate's folders hold when its bench did not finish (``--summarize``)."""
+    for state in ("quiet", "busy"):
+        med = median_decode_s(out / f"{name}-{state}")
+        cells = [f"{run} {task} {s:.3f} s (n={n})" for (run, task), (s, n) in sorted(med.items())]
+        print(f"  {name:8s} {state:5s} median s/decode: " + "; ".join(cells))
+
+
 def run_bench(folder: Path, flags: list[str], env: dict[str, str], limit: int, tasks: str) -> dict[str, float]:
     cmd = [sys.executable, "-m", "refusion.cli", "bench", "--decoders", "ar,refusion", "--limit", str(limit),
            "--tasks", tasks, "--out", str(folder), "--rerun-changed", *flags]
@@ -71,8 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--tasks", default="arith,code,facts")
     p.add_argument("--candidates", default="one,auto,passive,cores")
+    p.add_argument("--summarize", metavar="CANDIDATES",
+                   help="only print the median seconds per decode in these candidates' folders (stopped runs too)")
     p.add_argument("--settle", type=float, default=60.0, help="seconds beside the busy process before each busy run")
     a = p.parse_args(argv)
+    if a.summarize:
+        for name in a.summarize.split(","):
+            summarize_stopped(Path(a.out), name)
+        return 0
     from refusion.core.threads import physical_cores
 
     cores = physical_cores()

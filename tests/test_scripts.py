@@ -128,6 +128,9 @@ def test_thread_default_candidates_and_its_reading_of_a_bench_folder(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps([
         {"run": "ar", "task": "arith", "speedup_vs_ar": 1.0}, {"run": "refusion", "task": "arith", "speedup_vs_ar": 4.5}]))
     assert script["speedups"](tmp_path) == {"arith": 4.5}
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"run": "ar", "task": "arith", "wall_s": w}) + "\n"
+                                                    for w in (0.5, 0.1, 5.0)))
+    assert script["median_decode_s"](tmp_path) == {("ar", "arith"): (0.5, 3)}  # a stopped run's samples count
 
 
 def test_spec_vs_transformers_finds_the_same_tokens_and_target_forwards(tmp_path):

@@ -134,3 +134,42 @@ def test_batch_size_from_the_file_or_the_flag(setup, tmp_path):
         load_ablation(path)
     with pytest.raises(ConfigError, match="--batch-size: must be an integer of at least 1, got -1"):
         build_runs(load_ablation(setup), batch_size=-1)
+
+
+def test_seeds_from_the_file_or_the_flag_pool_and_pair_by_seed(setup, tmp_path, capsys):
+    """`seeds: 2` (or `--seeds 2`): every sample decoded with seeds 0 and 1 (records carry the seed), each
+    row pools them and is paired with the baseline by (sample, seed), the manifest keys the seeds, and a
+    resume with another seed count is refused naming them."""
+    from refusion.cli import main
+    from refusion.experiments.records import load_records
+
+    spec = {**yaml.safe_load(setup.read_text()), "grid": None, "plots": [],
+            "runs": [{"label": "ar", "decoder": "ar"},
+                     {"label": "sampled", "decoder": "refusion", "set": {"drafter.temperature": 1.0}}]}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**spec, "seeds": 2}))
+    assert {r.seeds for r in build_runs(load_ablation(path))} == {2}
+    assert {r.seeds for r in build_runs(load_ablation(path), seeds=3)} == {3}  # --seeds wins
+    out = tmp_path / "out"
+    rows = run_ablation(path, out)
+    records = load_records(out / "samples.jsonl")
+    assert sorted((r["run"], r["idx"], r["seed"]) for r in records) == sorted(
+        (run, i, s) for run in ("ar", "sampled") for i in range(2) for s in range(2))
+    assert [(r["run"], r["n"], r["seeds"]) for r in rows] == [("ar", 4, 2), ("sampled", 4, 2)]
+    assert rows[1]["accuracy_diff"]["n"] == 4
+    assert "2 seeds pooled" in (out / "summary.md").read_text()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["runs"]["sampled"]["facts"]["seeds"] == [0, 1] and manifest["inputs"]["seeds"] == 2
+    assert run_ablation(path, out, resume=True) == rows  # nothing left to do
+    with pytest.raises(ConfigError, match=r"run 'sampled' on facts: seeds: \[0, 1\] -> \[0, 1, 2\]"):
+        run_ablation(path, out, resume=True, seeds=3)
+    with pytest.raises(ConfigError, match="--seeds: must be an integer of at least 1, got 0"):
+        run_ablation(path, tmp_path / "zero", seeds=0)
+    path.write_text(yaml.safe_dump({**spec, "seeds": 0}))
+    with pytest.raises(ConfigError, match="seeds: Input should be greater than or equal to 1"):
+        load_ablation(path)
+    path.write_text(yaml.safe_dump(spec))
+    capsys.readouterr()
+    assert main(["ablate", str(path), "--out", str(tmp_path / "cli"), "--seeds", "2"]) == 0
+    assert "2 seeds pooled" in capsys.readouterr().out
+    assert {r["seed"] for r in load_records(tmp_path / "cli" / "samples.jsonl")} == {0, 1}

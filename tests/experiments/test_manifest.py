@@ -205,3 +205,31 @@ def test_differences_name_run_task_field_old_and_new():
     diffs = differences({"runs": {"x": {"arith": entry}}}, {"runs": {"x": {"arith": new}, "y": {"arith": new}}})
     assert [str(d) for d in diffs] == ["run 'x' on arith: config.selector.slot_threshold: 0.9 -> 0.8",
                                        "run 'x' on arith: batch_size: 1 -> 4"]
+
+
+def test_the_manifest_keys_the_seeds_and_a_resume_with_another_count_is_refused(tmp_path, bench_config, monkeypatch):
+    """`--seeds 3` records the seeds in each entry (and so in its config_key); resuming with another count
+    is refused naming them (before, the folder's seeded records were joined with the new run's under
+    --jobs, and the manifest did not say which seeds its records had); a run decoded once keeps the
+    config_key it had before seeds existed, so older folders still resume."""
+    import hashlib
+
+    from refusion.experiments.manifest import key_of
+
+    out = tmp_path / "out"
+    args = dict(tasks=["facts"], decoders=["ar", "refusion"], limit=2, out=out, config=str(bench_config))
+    run_bench(**args, seeds=3)
+    entry = json.loads((out / MANIFEST).read_text())["runs"]["refusion"]["facts"]
+    assert entry["seeds"] == [0, 1, 2] and entry["config_key"] == key_of(entry)
+    assert {rec["config_key"] for rec in load_records(out / "samples.jsonl") if rec["run"] == "refusion"} == {
+        entry["config_key"]}
+    for jobs in (1, 2):
+        with pytest.raises(ConfigError, match=r"run 'refusion' on facts: seeds: \[0, 1, 2\] -> '\(absent\)'"):
+            run_bench(**args, resume=True, jobs=jobs)
+    calls = count_decodes(monkeypatch)
+    rows = run_bench(**args, rerun_changed=True)
+    assert len(calls) == 2 + 4 and [(r["n"], r.get("seeds")) for r in rows] == [(2, None), (2, None)]  # warm-ups + 4
+    once = json.loads((out / MANIFEST).read_text())["runs"]["refusion"]["facts"]
+    assert "seeds" not in once
+    old_key = {k: once[k] for k in ("config", "weights_sha256", "split", "batch_size", "runtime")}
+    assert once["config_key"] == hashlib.sha256(json.dumps(old_key, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -21,13 +21,16 @@ starts from the bench's per-task settings for its decoder (``configs/bench/bench
       - {x: selector.slot_threshold, y: accuracy}   # a line per task along a swept knob
     runtime: {device: cuda, dtype: bfloat16}   # optional: device, dtype, attn_implementation, device_map
     batch_size: 4                          # optional: samples per generate_batch call (default 1)
+    seeds: 3                               # optional: every sample decoded with 3 seeds (default 1)
 
 ``bench_config`` (default ``configs/bench/bench.yaml``) gives the models and per-task settings runs start from.
 A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder. ``runtime``
 (how every model loads: :class:`~refusion.models.loading.Runtime`) overrides the bench config's
 ``runtime`` option by option, and the command-line flags override both. ``batch_size`` (default: the
 bench config's, else 1; ``--batch-size`` overrides it) decodes each run's samples in chunks through
-``Decoder.generate_batch``; tokens/s is then the aggregate throughput (``runner.py``).
+``Decoder.generate_batch``; tokens/s is then the aggregate throughput (``runner.py``). ``seeds`` N > 1
+(``--seeds`` overrides it) decodes every sample with each run's ``seed`` and the next N-1: each record
+carries its seed, a row pools them and pairs with the baseline by sample and seed (as ``bench --seeds``).
 
 The evaluation engine is the bench's (``runner.py``): every finished sample is appended to
 ``OUT/samples.jsonl`` at once and ``--resume`` skips finished work. Writes ``results.json``,
@@ -45,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from refusion.core.config import ConfigError
 from refusion.core.threads import set_threads
-from refusion.experiments.bench import load_bench_config
+from refusion.experiments.bench import load_bench_config, seeds_note
 from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import (
     Run, check_batch_size, evaluate, markdown_table, print_table, summarize, write_json,
@@ -95,6 +98,8 @@ class AblationConfig(Strict):
                                                 "config's runtime, under the flags")
     batch_size: int | None = Field(None, ge=1, description="samples per Decoder.generate_batch call (default: the "
                                                            "bench config's batch_size; --batch-size overrides)")
+    seeds: int = Field(1, ge=1, description="decode every sample with this many seeds (each run's seed and the next "
+                                            "ones); rows pool them, paired by sample and seed (--seeds overrides)")
 
     @model_validator(mode="after")
     def _has_runs(self) -> "AblationConfig":
@@ -150,13 +155,14 @@ def _fmt(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def build_runs(cfg: AblationConfig, batch_size: int | None = None) -> list[Run]:
+def build_runs(cfg: AblationConfig, batch_size: int | None = None, seeds: int | None = None) -> list[Run]:
     """The runs of ``cfg``, each decoding in chunks of ``batch_size`` (default: the file's ``batch_size``,
-    else the bench config's)."""
+    else the bench config's), every sample with ``seeds`` seeds (default: the file's ``seeds``)."""
     from refusion.tasks import get_task
 
     bench = load_bench_config(cfg.bench_config)
     batch_size = check_batch_size(batch_size) or cfg.batch_size or bench.batch_size
+    seeds = check_batch_size(seeds, "--seeds") or cfg.seeds
     specs: list[tuple[str, str, str | None, dict[str, Any], dict[str, Any]]] = [
         (r.label, r.decoder, r.model, r.set, {}) for r in cfg.runs]
     if cfg.grid:
@@ -173,7 +179,7 @@ def build_runs(cfg: AblationConfig, batch_size: int | None = None) -> list[Run]:
         overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                      for k, v in sets.items()]
         configs = {t: bench.decoder_config(t, decoder, get_task(t).max_new_tokens, overrides) for t in cfg.tasks}
-        runs.append(Run(label=label, model=model, configs=configs, params=params, batch_size=batch_size))
+        runs.append(Run(label=label, model=model, configs=configs, params=params, batch_size=batch_size, seeds=seeds))
     return runs
 
 
@@ -226,18 +232,19 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
 
 def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,
                  runtime: RuntimeOptions | None = None, batch_size: int | None = None,
-                 rerun_changed: bool = False) -> list[dict[str, Any]]:
+                 rerun_changed: bool = False, seeds: int | None = None) -> list[dict[str, Any]]:
     """Run one ablation; models load with the bench config's ``runtime:``, overridden by the ablation's,
-    overridden by ``runtime`` (the flags); ``batch_size`` (the flag) overrides the file's. ``resume``
+    overridden by ``runtime`` (the flags); ``batch_size`` and ``seeds`` (the flags) override the file's. ``resume``
     continues only a folder the same configs started; ``rerun_changed`` decodes the changed runs anew
     (:func:`runner.evaluate`)."""
     import torch
 
     cfg = load_ablation(config)
-    runs = build_runs(cfg, batch_size)
+    runs = build_runs(cfg, batch_size, seeds)
+    seeds = runs[0].seeds if runs else 1
     limit = limit or cfg.limit
     options = load_bench_config(cfg.bench_config).runtime.override(cfg.runtime).override(runtime)
-    inputs = {"ablation": cfg.model_dump(mode="json"), "limit": limit}
+    inputs = {"ablation": cfg.model_dump(mode="json"), "limit": limit, **({"seeds": seeds} if seeds > 1 else {})}
     records = evaluate(runs, cfg.tasks, cfg.split, limit, out, resume=resume, runtime=options, desc=cfg.name,
                        rerun_changed=rerun_changed, command="ablate", inputs=inputs)
     rows = summarize(records, runs, baseline=cfg.baseline)
@@ -246,7 +253,7 @@ def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int
     figures = [plot(rows, spec, out, f"{cfg.name}_{i}")[0].name for i, spec in enumerate(cfg.plots)]
     batch = f", batch size {runs[0].batch_size} (tokens/s: aggregate)" if runs and runs[0].batch_size > 1 else ""
     threads = torch.get_num_threads()
-    batch += f", {threads} torch thread{'s' * (threads != 1)}"
+    batch += f", {threads} torch thread{'s' * (threads != 1)}" + seeds_note(seeds)
     summary = [f"# {cfg.title or cfg.name}\n", f"{cfg.split} split, {limit or 'all'} samples per task{batch}; "
                f"speed-up over `{cfg.baseline}`.\n" if cfg.baseline else
                f"{cfg.split} split, {limit or 'all'} samples per task{batch}.\n",
@@ -256,13 +263,16 @@ def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int
 
 
 def add_ablate_command(sub) -> None:
-    from refusion.experiments.args import add_batch_size_arg, add_machine_args, add_output_args, add_resume_args
+    from refusion.experiments.args import (
+        add_batch_size_arg, add_machine_args, add_output_args, add_resume_args, add_seeds_arg,
+    )
 
     p = sub.add_parser("ablate", help="run an ablation grid (decoders, parts, knobs x tasks x models)")
     p.add_argument("config", help="ablation YAML, or the name of a shipped one (experiments/configs/{ablations,tuning,research}/)")
     add_output_args(p, None, "default runs/ablate/NAME", None, "overrides the file's limit")
     add_resume_args(p)
     add_batch_size_arg(p, "the file's batch_size, else the bench config's, else 1")
+    add_seeds_arg(p, default=None, default_help="the file's seeds, else 1")
     add_machine_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
     p.set_defaults(func=cmd_ablate)
 
@@ -271,7 +281,10 @@ def cmd_ablate(a) -> int:
     set_threads(a.threads)
     cfg = load_ablation(a.config)
     out = Path(a.out or f"runs/ablate/{cfg.name}")
-    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a), a.batch_size, a.rerun_changed)
-    print_table(rows, title=cfg.title or cfg.name, extra=list(cfg.grid.axes) if cfg.grid else [])
+    rows = run_ablation(a.config, out, a.resume, a.limit, runtime_from_args(a), a.batch_size, a.rerun_changed,
+                        seeds=a.seeds)
+    seeds = max((r.get("seeds", 1) for r in rows), default=1)
+    title = (cfg.title or cfg.name) + (f" ({seeds} seeds pooled)" if seeds > 1 else "")
+    print_table(rows, title=title, extra=list(cfg.grid.axes) if cfg.grid else [])
     print(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'manifest.json'} and plots in {out}")
     return 0

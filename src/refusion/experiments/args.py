@@ -4,7 +4,7 @@ One function adds each group, so that a flag means and defaults the same in ever
 :func:`add_rows_args` (which rows on which tasks: ``--tasks``, ``--decoders``, ``--split``, ``--config``,
 ``--set``, ``--model``), :func:`add_output_args` (``--out``, ``--limit``), :func:`add_resume_args`
 (``--resume``, ``--rerun-changed``), :func:`add_machine_args` (the runtime flags, ``--threads`` and, where a
-command shards its work, ``--jobs``) and :func:`add_batch_size_arg`.
+command shards its work, ``--jobs``), :func:`add_batch_size_arg` and :func:`add_seeds_arg`.
 """
 
 from __future__ import annotations
@@ -67,3 +67,11 @@ def add_batch_size_arg(p: argparse.ArgumentParser, default_help: str) -> None:
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
                         f"(default: {default_help})")
+
+
+def add_seeds_arg(p: argparse.ArgumentParser, default: int | None = 1, default_help: str = "1") -> None:
+    """``--seeds N``, as every command that compares runs over the same samples has it (the repetitions:
+    :meth:`~refusion.experiments.runner.Run.seed_values`); ``default_help`` says what ``default`` means."""
+    p.add_argument("--seeds", type=int, default=default, metavar="N",
+                   help="decode every sample with N seeds (each run's seed and the next N-1; they differ under "
+                        f"sampling); statistics pool them, runs paired by sample and seed (default {default_help})")

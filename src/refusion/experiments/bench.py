@@ -307,7 +307,7 @@ def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | Non
     and writes it (:func:`~refusion.experiments.manifest.prepare_output`)."""
     from refusion.core.workers import call_command
     from refusion.experiments.manifest import prepare_output, run_entries
-    from refusion.experiments.runner import check_runs
+    from refusion.experiments.runner import check_runs, wanted_records
     from refusion.experiments.sharding import join_records, run_shards, split_records
     from refusion.tasks import get_task
 
@@ -324,13 +324,12 @@ def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | Non
     task_order, run_order = {t: i for i, t in enumerate(tasks)}, {r.label: i for i, r in enumerate(runs)}
     records = join_records(out, lambda r: (task_order.get(r["task"], len(tasks)), r["idx"],
                                            run_order.get(r["run"], len(runs))))
-    wanted = {(r.label, t) for r in runs for t in tasks}
-    return [r for r in records if (r["run"], r["task"]) in wanted]
+    return wanted_records(records, runs, tasks)
 
 
 def add_bench_command(sub) -> None:
     from refusion.experiments.args import (
-        add_batch_size_arg, add_machine_args, add_output_args, add_resume_args, add_rows_args,
+        add_batch_size_arg, add_machine_args, add_output_args, add_resume_args, add_rows_args, add_seeds_arg,
     )
 
     p = sub.add_parser("bench", help="every decoder on every tinybench task: accuracy and speed table")
@@ -338,14 +337,17 @@ def add_bench_command(sub) -> None:
     add_output_args(p, "runs/bench", "samples.jsonl, results.json, plots", 0,
                     "default 0: the whole split, 200 per task")
     add_resume_args(p)
-    p.add_argument("--seeds", type=int, default=1, metavar="N",
-                   help="decode every sample with N seeds (each row's seed and the next N-1; they differ under "
-                        "sampling); statistics pool them, rows paired by sample and seed (default 1)")
+    add_seeds_arg(p)
     add_batch_size_arg(p, "the config's batch_size, else 1")
     add_machine_args(p, jobs_help="decode in N one-thread worker processes, sample i in worker i mod N, the rows "
                                   "interleaved per sample in each (2 on a 2-core CPU; default 1: this process)")
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # K/N: one worker of --jobs N
     p.set_defaults(func=cmd_bench)
+
+
+def seeds_note(seeds: int) -> str:
+    """What a table's title adds for runs repeated over ``seeds``."""
+    return f", {seeds} seeds pooled" if seeds > 1 else ""
 
 
 def cmd_bench(a) -> int:
@@ -368,7 +370,7 @@ def cmd_bench(a) -> int:
         r["speedup"] = r["speedup_vs_ar"]
     sizes = sorted({r.get("batch_size", 1) for r in rows})
     batch = f", batch size {', '.join(map(str, sizes))}" if sizes and sizes != [1] else ""
-    batch += f", {a.seeds} seeds pooled" if a.seeds > 1 else ""
+    batch += seeds_note(a.seeds)
     workers = f"{a.jobs} one-thread workers" if a.jobs > 1 else f"{threads} torch thread{'s' * (threads != 1)}"
     print_table(rows, title=f"refusion bench ({a.split} split, {a.limit or 'all'} per task{batch}, {workers})")
     lines = goal_lines(rows)

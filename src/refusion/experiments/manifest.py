@@ -10,8 +10,10 @@ manifest adds ``runs``: run label -> task -> one entry::
      "config": {the validated decoder config: every option and every part's options, defaults filled},
      "config_key": "3f9c0a1b2c4d5e6f"}
 
+A run repeated over seeds (``--seeds N``, N > 1) adds ``"seeds": [s, s + 1, ...]``, the ``seed`` each
+repetition decodes with (its records carry theirs); a run decoded once has no ``seeds`` field.
 ``config_key`` is a stable hash (sha256, 16 hex digits) of the entry less the model's name and folder:
-the validated config, the weights' hash, split, batch size and runtime; every record a run writes
+the validated config, the weights' hash, split, batch size, runtime and seeds; every record a run writes
 carries the key of the entry that produced it. :func:`prepare_output` compares a folder's manifest with
 the command's before a resumed run continues: any difference in a (run, task) both hold refuses the
 resume with a message naming run, task, field, old and new value, unless ``rerun_changed`` drops the
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 VERSION = 1
-KEYED = ("config", "weights_sha256", "split", "batch_size", "runtime")  # what a config_key covers, compared in order
+KEYED = ("config", "weights_sha256", "split", "batch_size", "runtime", "seeds")  # what a config_key covers, in order
+OPTIONAL = ("seeds",)  # KEYED fields an entry holds only when set, so that the keys of entries without them stay put
 
 _weights_cache: dict[tuple, str] = {}
 
@@ -75,8 +78,9 @@ def validated_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def key_of(entry: dict[str, Any]) -> str:
-    """The config key of a manifest entry: sha256 of its :data:`KEYED` fields, 16 hex digits."""
-    keyed = {k: entry[k] for k in KEYED}
+    """The config key of a manifest entry: sha256 of its :data:`KEYED` fields (an :data:`OPTIONAL` one only
+    when the entry holds it), 16 hex digits."""
+    keyed = {k: entry[k] for k in KEYED if k in entry or k not in OPTIONAL}
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -93,6 +97,8 @@ def run_entries(runs: list["Run"], tasks: list[str], split: str,
             entry = {"model": run.model, "model_folder": str(resolve_model_path(run.model).resolve()),
                      "weights_sha256": weights, "split": split, "batch_size": run.batch_size, "runtime": resolved,
                      "config": validated_config(run.configs[task])}
+            if run.seeds > 1:
+                entry["seeds"] = run.seed_values(task)
             entry["config_key"] = key_of(entry)
             out.setdefault(run.label, {})[task] = entry
     return out
@@ -181,7 +187,9 @@ def entry_differences(run: str, task: str, old: dict[str, Any], new: dict[str, A
                                         f"{old.get('model')} (sha256 {str(old.get(field))[:10]})",
                                         f"{new.get('model')} (sha256 {str(new.get(field))[:10]})"))
             continue
-        a, b = _flat(old.get(field), field), _flat(new.get(field), field)
+        if field in OPTIONAL and field not in old and field not in new:
+            continue
+        a, b = (_flat(e[field], field) if field in e else {field: "(absent)"} for e in (old, new))
         for key in sorted(set(a) | set(b), key=lambda k: (k not in a, k)):
             if a.get(key, "(absent)") != b.get(key, "(absent)"):
                 diffs.append(Difference(run, task, key, a.get(key, "(absent)"), b.get(key, "(absent)")))

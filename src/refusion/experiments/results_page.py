@@ -188,7 +188,8 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
                        f"**{word}**{scope} | {minutes:.1f} min |")
         extra = list(cfg.grid.axes) if cfg.grid else []
         sec = [f'<a id="{name}"></a>', f"## {cfg.title or name}", "",
-               f"`refusion ablate {name}.yaml` ({cfg.split} split, {rows[0]['n'] if rows else 0} samples per task"
+               f"`refusion ablate {name}.yaml` ({cfg.split} split, {rows[0]['n'] // rows[0].get('seeds', 1) if rows else 0} "
+               f"samples per task{f' x {cfg.seeds} seeds' if cfg.seeds > 1 else ''}"
                f"{f', speed-up over `{cfg.baseline}`' if cfg.baseline else ''}; {minutes:.1f} min of decoding).", "",
                f"Ran {finished} on {run_note}", ""]
         if claim:

@@ -269,6 +269,12 @@ def evaluate(
     finally:
         for bb in backbones.values():
             bb.time_forwards = False
+    return wanted_records(records, runs, tasks)
+
+
+def wanted_records(records: list[dict[str, Any]], runs: list[Run], tasks: list[str]) -> list[dict[str, Any]]:
+    """The ``records`` of ``runs`` on ``tasks`` with the seeds those runs decode now (a folder may hold
+    other runs' records, or those of another seed count)."""
     wanted = {(r.label, t, seed) for r in runs for t in tasks for seed in r.seed_values(t)}
     return [r for r in records if (r["run"], r["task"], r.get("seed")) in wanted]
 

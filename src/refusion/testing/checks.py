@@ -608,8 +608,11 @@ DECODER_INVARIANTS = _contract(
     "decoder", "every config drawn from the registry's parts and options, any prompt, EOS forced anywhere or "
                "nowhere: no [MASK] in the output, at most gen_length tokens, nothing after the first EOS (and a "
                "forced EOS ends the output), every output position committed once and the buffer restored by "
-               "position is the output (positions past it only before an EOS or past gen_length), NFE equals the model's forward calls, the same seed decodes the same, the streamed "
-               "commits are the output left to right, and each sequence of a batch decodes as alone")
+               "position is the output (positions past it only before an EOS or past gen_length), nothing "
+               "committed outside the generation span (gen_length, padded to whole slots where the decoder pads) "
+               "nor, once an EOS is committed, after it, NFE equals the model's forward calls, the same seed "
+               "decodes the same, the streamed commits are the output left to right, and each sequence of a "
+               "batch decodes as alone")
 
 
 def _stream(dec, prompt):
@@ -664,6 +667,14 @@ def decoder_invariants(bb, cfg: dict, prompt: list[int], other: list[int], eos_a
              "the output ends with EOS or at gen_length: slots committed before the EOS, or slot padding)")
         restored = [t for _, t in sorted(zip(res.buffer_pos, res.buffer_ids))][P:]
         assert restored[: len(ids)] == ids, f"{ctx}: the buffer restored by position is {restored}"
+        span = getattr(dec.options, "padded_length", cfg["gen_length"])  # refusion pads to whole slots
+        assert all(p < P + span for p in gen), f"{ctx}: committed positions {gen} past the generation span {span}"
+        eos_pos = None  # the leftmost EOS committed so far, in commit (buffer) order
+        for p, t in zip(res.buffer_pos[P:], res.buffer_ids[P:]):
+            assert eos_pos is None or p < eos_pos, \
+                f"{ctx}: position {p} committed after an EOS was committed at {eos_pos} (decoding past the EOS)"
+            if t in bb.eos_ids:
+                eos_pos = p
     assert res.stats.nfe + again.stats.nfe == n_calls, f"{ctx}: NFE {res.stats.nfe} + {again.stats.nfe} != {n_calls} model calls"
     assert again.token_ids == ids, f"{ctx}: decoded {again.token_ids} the second time"
     positions = [p for c in commits for p in c.positions]
