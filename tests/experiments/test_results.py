@@ -227,6 +227,30 @@ def test_only_keeps_the_sections_of_the_existing_page_whose_results_are_gone(tmp
         results.run_all(tmp_path / "third", doc, ["kv_cache"], jobs=2)
 
 
+def test_a_rerun_keeps_the_sections_it_does_not_redo_from_the_index_beside_the_outputs(tmp_path, monkeypatch):
+    """OUT/index.json records each section (date, machine, weights, minutes, row, text): a rerun into the same
+    OUT whose results for slot_size are gone keeps slot_size's section from the index, with no page to read;
+    one whose checkpoints' weights changed since is refused."""
+    fake_ablations(monkeypatch, "new box")
+    monkeypatch.setattr(results_page, "models_used", lambda name: ["tiny-x"])
+    monkeypatch.setattr(results, "models_used", lambda name: ["tiny-x"])
+    out = tmp_path / "runs"
+    first = results.run_all(out, tmp_path / "a.md", ["kv_cache", "slot_size"], jobs=2)
+    entry = json.loads((out / "index.json").read_text())["sections"]["slot_size"]
+    assert entry["machine"].startswith("new box.") and entry["weights"] == {"tiny-x": "0123456789"}
+    assert first.endswith(entry["text"]) and entry["summary_row"] in first
+    import shutil
+
+    shutil.rmtree(out / "slot_size")
+    monkeypatch.setattr(results_page, "machine", lambda: "newer box")
+    text = results.run_all(out, tmp_path / "b.md", ["kv_cache"], jobs=2)  # b.md: no page to read sections from
+    assert text.endswith(entry["text"]) and entry["summary_row"] in text and "(slot_size) name their own" in text
+    assert json.loads((out / "index.json").read_text())["sections"]["slot_size"] == entry  # kept as it was
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 9876543210")  # retrained since
+    with pytest.raises(RuntimeError, match="index.json: section 'slot_size' decoded tiny-x with weights that"):
+        results.run_all(out, tmp_path / "c.md", ["kv_cache"], jobs=2)
+
+
 def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
     """0% vs 0% on arith, or 30% vs 25% on four-option facts, cannot confirm an accuracy claim."""
     rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
