@@ -6,7 +6,8 @@ every record written since the bench began (keys it does not know are kept in ``
 :meth:`SampleRecord.to_dict` writes the same mapping back. The calculations every reader shares are
 methods: the decode time a record accounts for (:meth:`~DecodeTiming.decode_share_s`, a chunk's wall
 time shared by its samples), its forward time, the key that pairs two runs' records, and
-:class:`Speed` / :meth:`SummaryStats.of`, the pooled statistics of a summary row (:data:`SUMMARY_KEYS`).
+:class:`Speed` / :meth:`SummaryStats.of`, the pooled statistics of a summary row (:class:`SummaryRow`,
+:data:`SUMMARY_KEYS`).
 
 A killed run leaves at most one torn last line; :func:`load_records` drops it with a warning, and a
 resumed run skips every key already recorded.
@@ -20,7 +21,7 @@ import statistics
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypedDict
 
 #: the keys of a sample record, in the order a record is written (absent optional ones are left out)
 SAMPLE_KEYS = ("run", "task", "idx", "seed", "decoder", "model", "config_key", "correct", "generated_tokens", "nfe",
@@ -138,6 +139,29 @@ class Speed:
 #: latency (seconds); mean generated tokens
 SUMMARY_KEYS = ("n", "accuracy", "tokens_per_second", "tokens_per_second_median", "tpf", "nfe_mean",
                 "latency_s_mean", "generated_tokens_mean")
+
+
+class SummaryRow(TypedDict, total=False):
+    """One (run, task) row of ``results.json`` (:func:`refusion.experiments.runner.summarize`); a run's swept
+    parameters are further keys, and a command adds its own (``speedup_vs_ar``, batch-bench's ``vs_batch_1``)."""
+
+    run: str
+    task: str
+    decoder: str
+    model: str
+    n: int  # records pooled (samples x seeds)
+    accuracy: float  # fraction correct, 0..1
+    tokens_per_second: float  # total generated tokens / total decode seconds (batched: aggregate)
+    tokens_per_second_median: float  # median over samples of tokens / latency
+    tpf: float  # generated tokens per model forward
+    nfe_mean: float  # forwards per sample
+    latency_s_mean: float  # seconds per sample
+    generated_tokens_mean: float
+    seeds: int  # present for a run repeated over seeds
+    batch_size: int  # present for a batched run
+    speedup: float | None  # tokens/s over the baseline run's, on the samples both decoded
+    accuracy_diff: dict[str, float]  # against the baseline, paired: value, low, high, p_value, n, discordant counts
+    speedup_interval: list[float]  # [low, high], 95% paired bootstrap
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ from tqdm import tqdm
 
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.core.threads import set_threads  # noqa: F401  (its old home; commands import it from core.threads)
-from refusion.experiments.records import RecordWriter, SampleRecord, Speed, SummaryStats, load_records, sample_records
+from refusion.experiments.records import (
+    RecordWriter, SampleRecord, Speed, SummaryRow, SummaryStats, load_records, sample_records,
+)
 from refusion.models.loading import RuntimeOptions
 
 KEY = ("run", "task", "idx")
@@ -61,7 +63,7 @@ class Run:
         return next(iter(self.configs.values()))["decoder"]
 
 
-def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[dict[str, Any]]:
+def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[SummaryRow]:
     """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task,
     on the samples both decoded (a run with a ``limit`` is compared on its own samples only). A run
     repeated over seeds (``Run.seeds``) pools every seed's records (``n`` counts them, ``seeds`` says how
