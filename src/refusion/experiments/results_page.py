@@ -143,7 +143,7 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
     ``kept`` (from :func:`kept_sections`) keeps its section and summary row as they were."""
     import torch
 
-    from refusion.experiments.records import load_records
+    from refusion.experiments.records import load_records, sample_records
     from refusion.experiments.runner import markdown_table
 
     fig_dir = doc.parent / doc.stem
@@ -169,9 +169,9 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
             continue
         rows = json.loads((out / name / "results.json").read_text())
         finished = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime((out / name / "results.json").stat().st_mtime))
-        records = load_records(out / name / "samples.jsonl")
+        records = sample_records(load_records(out / name / "samples.jsonl"))
         attach_samples(rows, records)
-        minutes = sum(float(r.get("wall_s", 0.0)) for r in records) / 60
+        minutes = sum(r.wall_s for r in records) / 60
         total_seconds += 60 * minutes
         cfg = load_ablation(name + ".yaml")
         claim = claims.get(name)
@@ -199,7 +199,7 @@ def write_document(out: Path, doc: Path, names: list[str], command: str, jobs: i
         if name in STEPPED:
             labels = [r.label for r in cfg.runs if r.label != cfg.baseline]
             sec += [fragment("results_steps.md"), "",
-                    *step_table(load_records(out / name / "samples.jsonl"), labels), ""]
+                    *step_table(records, labels), ""]
         for i, spec in enumerate(cfg.plots if rows else []):  # drawn again from the rows, as `ablate` draws them
             png = plot(rows, spec, fig_dir, f"{name}_{i}")[0]
             sec += [f"![{png.stem}]({fig_dir.name}/{png.name})", ""]
