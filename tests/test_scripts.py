@@ -142,3 +142,13 @@ def test_spec_vs_transformers_finds_the_same_tokens_and_target_forwards(tmp_path
     assert [r["method"] for r in rows] == ["ngram", "model"]
     for r in rows:
         assert r["identical"] == r["equal_target_forwards"] == r["n"] == 1 and r["differences"] == []
+
+
+def test_stage_tokens_sorts_every_fed_token_by_stage(capsys):
+    assert run_script("stage_tokens.py", "--tasks", "facts", "--batch-size", "2", "--limit", "2") == 0
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("facts ")]
+    stages = [line for line in out if line.endswith("%")]
+    assert any("prefill + Stage I" in line for line in stages) and any("Stage II-a" in line for line in stages)
+    assert sum(float(line.split()[-1].rstrip("%")) for line in stages) == pytest.approx(100, abs=0.5)
+    assert float(out[-1].split()[3]) == pytest.approx(sum(float(line.split()[-2]) for line in stages), abs=0.05)
+    assert run_script("stage_tokens.py", "--batch-size", "3", "--limit", "4") == 2

@@ -186,7 +186,7 @@ def test_batch_bench_resume_with_another_set_is_refused(tmp_path, bench_config, 
     run_batching(**args)
     with pytest.raises(ConfigError, match=r"run 'refusion@1' on facts: config.selector.slot_threshold: 0.5 -> 0.6"):
         run_batching(**args, overrides=["selector.slot_threshold=0.6"], resume=True)
-    rows = run_batching(**args, overrides=["selector.slot_threshold=0.6"], rerun_changed=True)
+    rows, _ = run_batching(**args, overrides=["selector.slot_threshold=0.6"], rerun_changed=True)
     assert [(r["batch_size"], r["n"]) for r in rows] == [(1, 2), (2, 2)]
     keys = json.loads((tmp_path / "out" / MANIFEST).read_text())["runs"]
     assert all(r["config_key"] == keys[r["run"]]["facts"]["config_key"]

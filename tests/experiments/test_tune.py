@@ -87,3 +87,22 @@ def test_results_from_another_grid_are_refused(tmp_path, capsys):
     assert main([str(tmp_path), "--config", str(tmp_path / "grid.yaml")]) == 2
     out = capsys.readouterr()
     assert "tasks:" not in out.out and "selector.fallback" in out.err and "--config" in out.err
+
+
+def test_a_run_named_in_the_config_prints_its_own_settings(tmp_path, capsys):
+    """A grid of runs named one by one (no axes): the chosen run's ``set`` is printed under its decoder."""
+    import json
+
+    import yaml
+
+    from refusion.experiments.tune import main
+
+    config = {"name": "g", "title": "t", "tasks": ["arith"], "runs": [
+        {"label": "ar", "decoder": "ar"}, {"label": "wide", "decoder": "refusion", "set": {"draft_window": 4}},
+        {"label": "narrow", "decoder": "refusion", "set": {"draft_window": 1, "selector.slot_threshold": 0.99}}]}
+    (tmp_path / "runs.yaml").write_text(yaml.safe_dump(config))
+    rows = [r("arith", "ar", 0.9, 100), r("arith", "wide", 0.9, 200), r("arith", "narrow", 0.9, 300)]
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    assert main([str(tmp_path), "--config", str(tmp_path / "runs.yaml")]) == 0
+    block = yaml.safe_load(capsys.readouterr().out)
+    assert block["tasks"]["arith"] == {"refusion": {"draft_window": 1, "selector": {"slot_threshold": 0.99}}}

@@ -78,7 +78,7 @@ def test_logits_only_at_the_union_of_requested_positions(backbone):
     out = shared.forward([ForwardRequest(a, torch.tensor([10, 11, 12, 13]), torch.arange(4), logits_at=[1]),
                           ForwardRequest(b, torch.tensor([20, 21]), torch.arange(2), logits_at=None)])
     assert out[0].shape[:2] == (1, 1) and out[1] is None
-    assert backbone.logits_rows - rows0 == 2  # one position, both rows of the batch
+    assert backbone.logits_rows - rows0 == 1  # one position of the one row that reads it
 
 
 def test_forking_and_dropping_rows_copy_nothing_until_the_next_forward(backbone):
@@ -145,3 +145,43 @@ def test_drop_span_and_release_empty_the_batch(backbone):
     shared.release(a)
     shared.release(b)
     assert shared.lengths == [] and shared.keys == [] and shared.views == []
+
+
+def test_head_runs_on_each_rows_own_positions(backbone):
+    """Rows asking for different positions: the head computes each row's own (not the union in every
+    row), and every request's logits are those of its own cache."""
+    prompts = [[10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34]]
+    asked = [[0, 3], [1], slice(-2, None)]
+    shared = RaggedCache(backbone)
+    views = [shared.new_view() for _ in prompts]
+    rows0 = backbone.logits_rows
+    got = shared.forward([ForwardRequest(v, torch.tensor(p), torch.arange(len(p)), logits_at=a)
+                          for v, p, a in zip(views, prompts, asked)])
+    assert backbone.logits_rows - rows0 == 2 + 1 + 2  # the union {0, 1, 3, 4} in 3 rows would be 12
+    for p, a, g in zip(prompts, asked, got):
+        want = single(backbone, p, logits_at=a)
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want, **TOL)
+    # several rows of one sequence, one request reading nothing, one reading no position at all
+    views[0].repeat_rows(2)
+    steps = [ForwardRequest(views[0], torch.tensor([[14, 15], [16, 17]]), torch.tensor([[4, 5], [4, 5]]),
+                            logits_at=[1], keep_kv=False),
+             ForwardRequest(views[1], torch.tensor([23]), torch.tensor([3]), logits_at=None),
+             ForwardRequest(views[2], torch.tensor([35, 36]), torch.tensor([5, 6]), logits_at=[])]
+    rows0 = backbone.logits_rows
+    got = shared.forward(steps)
+    assert backbone.logits_rows - rows0 == 2 and got[1] is None and got[2].shape == (1, 0, got[0].shape[-1])
+    ref = backbone.new_cache()
+    single(backbone, prompts[0], cache=ref)
+    ref.repeat_rows(2)
+    torch.testing.assert_close(got[0], ref.forward(ForwardRequest(ref, steps[0].ids, steps[0].pos, logits_at=[1],
+                                                                  keep_kv=False)), **TOL)
+
+
+def test_live_sequences_counts_the_unfinished_sequences_of_the_batch(backbone):
+    shared = RaggedCache(backbone)
+    a, b, c = shared.new_view(), shared.new_view(), shared.new_view()
+    assert [v.live_sequences() for v in (a, b, c)] == [3, 3, 3] and backbone.new_cache().live_sequences() == 1
+    b.repeat_rows(4)  # rows are not sequences
+    shared.release(a)
+    assert b.live_sequences() == c.live_sequences() == 2

@@ -115,13 +115,43 @@ def validate_config(config: dict[str, Any], registry: Registry | None = None) ->
             parts["extender"] = parts["extender"].bind(parts["verifier"])
         except ValueError as e:
             raise ConfigError(f"extender: {e}") from None
+    for n, entry in scheduled_configs(config, options).items():
+        try:
+            validate_config(entry, registry)
+        except ConfigError as e:
+            raise ConfigError(f"batch_schedule.{n}: {e}") from None
     return dec_cls, options, parts
 
 
+def scheduled_configs(config: dict[str, Any], options: DecoderOptions) -> dict[int, dict[str, Any]]:
+    """Batch size -> the full config of each ``batch_schedule`` entry: ``config`` without the schedule,
+    with the entry's options over it. A part given as a mapping without a new ``name`` keeps the part and
+    its other options; a part named anew (a string, or a mapping with another name) starts from its
+    defaults."""
+    base = {k: v for k, v in config.items() if k != "batch_schedule"}
+    out = {}
+    for n, entry in sorted((options.batch_schedule or {}).items()):
+        merged = dict(base)
+        for key, value in entry.items():
+            old = merged.get(key)
+            if key in PART_KINDS and isinstance(value, dict) and not isinstance(old, (int, float, bool)):
+                old = {"name": old} if isinstance(old, str) else dict(old or {})
+                same = "name" not in value or value["name"] == old.get("name")
+                merged[key] = {**old, **value} if same else dict(value)
+            else:
+                merged[key] = value
+        out[n] = merged
+    return out
+
+
 def build_decoder(backbone: "Backbone", config: dict[str, Any], registry: Registry | None = None) -> Decoder:
-    """Validate ``config`` and instantiate the decoder on ``backbone`` (refuses a mismatched model)."""
+    """Validate ``config`` and instantiate the decoder on ``backbone`` (refuses a mismatched model), with
+    one decoder per ``batch_schedule`` entry (:meth:`~refusion.core.interfaces.Decoder.for_batch`)."""
     dec_cls, options, parts = validate_config(config, registry)
-    return dec_cls(backbone, options, parts)
+    decoder = dec_cls(backbone, options, parts)
+    decoder.schedule = {n: build_decoder(backbone, entry, registry)
+                        for n, entry in scheduled_configs(config, options).items()}
+    return decoder
 
 
 def dump_config(decoder: str, options: DecoderOptions) -> dict[str, Any]:

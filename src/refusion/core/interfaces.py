@@ -18,10 +18,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from refusion.core.loop import Commit, KVCache, exhaust
@@ -240,6 +240,23 @@ class DecoderOptions(Options):
 
     gen_length: int = Field(128, ge=1, le=1_000_000, description="maximum number of tokens to generate")
     seed: int = Field(0, description="seed of the sampling generator (used when temperature > 0)")
+    batch_schedule: dict[int, dict[str, Any]] | None = Field(
+        None, description="settings by batch size: {N: {option: value, ...}}; a decode of B sequences uses the "
+        "entry of the largest N <= B over these options (a part's options merge into the part's; a part named "
+        "anew starts from its defaults), B below every N these options alone")
+
+    @field_validator("batch_schedule")
+    @classmethod
+    def _schedule_keys(cls, value: dict[int, dict[str, Any]] | None) -> dict[int, dict[str, Any]] | None:
+        for n, entry in (value or {}).items():
+            if n < 1:
+                raise ValueError(f"entry {n}: batch sizes are at least 1")
+            if not isinstance(entry, dict):
+                raise ValueError(f"entry {n}: give a mapping of options, got {entry!r}")
+            for key in ("decoder", "batch_schedule"):
+                if key in entry:
+                    raise ValueError(f"entry {n}: {key!r} cannot be scheduled")
+        return value
 
 
 class Decoder(ABC):
@@ -259,6 +276,14 @@ class Decoder(ABC):
         self.backbone = backbone
         self.options = options
         self.parts = parts
+        #: batch size -> the decoder of that ``batch_schedule`` entry (filled by ``build_decoder``)
+        self.schedule: dict[int, Decoder] = {}
+
+    def for_batch(self, n: int) -> "Decoder":
+        """The decoder that decodes a batch of ``n`` sequences: the ``batch_schedule`` entry of the largest
+        batch size <= n, else this one."""
+        keys = [k for k in self.schedule if k <= n]
+        return self.schedule[max(keys)] if keys else self
 
     #: True when :meth:`_decode_batch` decodes several prompts in shared forward calls; otherwise
     #: :meth:`generate_batch` decodes them one after another with :meth:`generate`
@@ -272,6 +297,8 @@ class Decoder(ABC):
     def stream(self, prompt_ids: list[int]) -> Generator[Commit, None, DecodeResult]:
         """Decode a completion of ``prompt_ids``, yielding its commits (concatenated: the output, left to
         right; a committed token never changes) and returning the :class:`DecodeResult`."""
+        if (chosen := self.for_batch(1)) is not self:
+            return (yield from chosen.stream(prompt_ids))
         prompt_ids = self._checked_prompt(prompt_ids)
         nfe0, tok0 = self.backbone.nfe, self.backbone.tokens_in
         t0 = time.perf_counter()
@@ -294,7 +321,10 @@ class Decoder(ABC):
         serves every sequence still decoding, and a finished sequence leaves the batch. Each result's
         stats then count the forward calls it took part in (``nfe``), the tokens fed in its rows, its
         latency from the batch's start (``wall_s``) and the batch's totals (``batch_*``). Other decoders
-        (the default for a third-party decoder) run :meth:`generate` on each prompt in turn."""
+        (the default for a third-party decoder) run :meth:`generate` on each prompt in turn. With a
+        ``batch_schedule``, the decoder of its entry for ``len(prompts)`` decodes them (:meth:`for_batch`)."""
+        if (chosen := self.for_batch(len(prompts))) is not self:
+            return chosen.generate_batch(prompts, on_commit)
         prompts = [self._checked_prompt(p) for p in prompts]
         if not self.batched or len(prompts) == 1:
             return [self.generate(p, None if on_commit is None else (lambda c, i=i: on_commit(i, c)))

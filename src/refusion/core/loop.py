@@ -17,6 +17,12 @@ and returns its :class:`~refusion.core.types.LoopOutput`. The same body then run
   lengths; sequences at different stages share the forwards, finished ones leave, and new ones may be
   admitted between forwards (continuous batching).
 
+A loop learns the load it decodes under from its cache: ``cache.live_sequences()`` is the number of
+sequences decoding in the batch that cache belongs to at that moment (1 on a sequence's own cache; in a
+ragged batch every sequence not yet finished, those admitted later included), so a loop can size its
+next request by the load (ReFusion's ``draft_budget``). It is read when the loop builds a request; it
+changes only between model calls.
+
 A request says how its fed tokens attend (:class:`Attention`): each fed token attends to every token its
 cache rows hold and to the fed tokens whose *segment* is not after its own. Causal attention is one
 segment per token, full (bidirectional) attention one segment for all, block-causal attention one
@@ -125,6 +131,7 @@ class KVCache(Protocol):
 
     def length(self) -> int: ...  # tokens held (the longest row)
     def n_rows(self) -> int: ...
+    def live_sequences(self) -> int: ...  # sequences decoding in this cache's batch now (1: decoding alone)
     def crop(self, length: int) -> None: ...  # keep every row's first ``length`` tokens
     def select(self, rows: list[int]) -> None: ...  # keep these rows, in this order (repeats allowed)
     def repeat_rows(self, n: int) -> None: ...  # each row n times: [r0]*n + [r1]*n + ...

@@ -19,7 +19,8 @@ Committed slots are appended to the buffer, ahead of the remaining masks, with t
 ids; the output is the committed tokens sorted by position. Variants, each off by default and chosen
 by config: a ``remasker`` (``sub_slot``: keep a completed slot's confident prefix, remask the rest),
 adaptive slots (``split_threshold``: cut a chosen slot before its first low-confidence draft),
-``fused`` scheduling (the next Stage I rides on the II-a forward) and a sliding ``draft_window``: the
+a load-adaptive draft window (``draft_budget``: the Stage I tokens a forward may spend across the batch,
+shared by the live sequences), ``fused`` scheduling (the next Stage I rides on the II-a forward) and a sliding ``draft_window``: the
 masks follow the committed buffer in position order under causal attention, so a mask's logits do not
 depend on the masks to its right and the W leftmost slots' drafts are those of the full Stage I; slots
 further right wait, and the forward is narrower. Slots may therefore differ in size;
@@ -67,6 +68,10 @@ class RefusionOptions(DecoderOptions):
     draft_window: int | None = Field(
         None, ge=1, description="Stage I drafts only this many leftmost pool slots (None: every pool slot, "
         "the reference)")
+    draft_budget: int | None = Field(
+        None, ge=1, description="adaptive draft window by load: Stage I drafts at most draft_budget // (live "
+        "sequences x slot_size) leftmost pool slots (at least 1; within draft_window when set), the live "
+        "sequences read from the cache at each iteration (None: off)")
     split_threshold: float | None = Field(
         None, ge=0.0, le=1.0,
         description="adaptive slots: cut a chosen slot before its first draft token with Stage-I prob below this")
@@ -186,7 +191,7 @@ class RefusionDecoder(LoopDecoder):
         buffer (KV dropped again) -> (cache, drafted slots, proposal ``[n_drafted, k_max]``, whether the
         logits came from the previous II-a forward: fused scheduling)."""
         bb = self.backbone
-        drafted = st.pool[: self.options.draft_window]
+        drafted = st.pool[: self._window(cache)]
         fused = st.next_logits is not None
         if fused:
             logits, st.next_logits = st.next_logits, None
@@ -218,7 +223,7 @@ class RefusionDecoder(LoopDecoder):
         flat_ids = draft_ids.reshape(-1)[real]  # [n] slot after slot
         flat_pos = [p for s in chosen for p in s.positions]
         n = len(flat_pos)
-        rest = self._fused_rest(st, chosen)
+        rest = self._fused_rest(st, chosen, cache)
         ids, pos, logits_at = flat_ids, torch.tensor(flat_pos), slice(0, n - 1)  # a draft's predecessor's row
         if rest:
             rest_pos = [p for s in rest for p in s.positions]
@@ -349,12 +354,22 @@ class RefusionDecoder(LoopDecoder):
         return cache, trace
 
     # ------------------------------------------------------------------ opt-in variants
-    def _fused_rest(self, st: DecodeState, chosen: list[Slot]) -> list[Slot]:
+    def _window(self, cache) -> int | None:
+        """Pool slots Stage I drafts now: ``draft_window`` (None: all), and with ``draft_budget`` at most
+        ``draft_budget // (live sequences x slot_size)`` (at least 1), the live sequences read from the cache
+        (:meth:`~refusion.core.loop.KVCache.live_sequences`: 1 alone, the unfinished sequences in a batch)."""
+        o = self.options
+        if o.draft_budget is None:
+            return o.draft_window
+        fit = max(1, o.draft_budget // (cache.live_sequences() * o.slot_size))
+        return fit if o.draft_window is None else min(fit, o.draft_window)
+
+    def _fused_rest(self, st: DecodeState, chosen: list[Slot], cache) -> list[Slot]:
         """Fused scheduling: the pool slots not chosen (within the draft window) whose [MASK]s ride on the
         II-a forward; if every chosen slot is accepted, their logits are the next Stage I's. [] when off."""
         if not self.options.fused:
             return []
-        return [s for s in st.pool if s not in chosen][: self.options.draft_window]
+        return [s for s in st.pool if s not in chosen][: self._window(cache)]
 
     def _split(self, st: DecodeState, chosen: list[Slot], probs: Tensor, trace: IterationTrace):
         """Adaptive slots: cut each chosen slot before its first draft below ``split_threshold`` (one host

@@ -92,7 +92,8 @@ class AblationConfig(Strict):
     runs: list[RunSpec] = Field([], description="runs named one by one (RunSpec)")
     grid: GridSpec | None = Field(None, description="runs as the cartesian product of axes (GridSpec)")
     plots: list[PlotSpec] = Field([], description="plots written as PNG and SVG (PlotSpec)")
-    bench_config: str | None = Field(None, description="the bench config runs start from (default configs/bench.yaml)")
+    bench_config: str | None = Field(None, description="the bench config runs start from: a file or a shipped one's "
+                                                       "name (default configs/bench/bench.yaml)")
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
                                     description="device, dtype, attn_implementation, device_map: over the bench "
                                                 "config's runtime, under the flags")

@@ -152,7 +152,7 @@ def evaluate(
     runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool = False,
     runtime: RuntimeOptions | None = None, desc: str = "eval", on_record: Callable[[dict], None] | None = None,
     time_forwards: bool = False, shard: tuple[int, int] | None = None, rerun_changed: bool = False,
-    command: str | None = None, inputs: dict[str, Any] | None = None,
+    command: str | None = None, inputs: dict[str, Any] | None = None, record_tokens_in: bool = False,
 ) -> list[dict[str, Any]]:
     """Decode every sample of every task with every run; return all records (old and new). Every model
     loads with ``runtime`` (default: the CPU in float32), checked before any model loads. Each run decodes
@@ -160,7 +160,8 @@ def evaluate(
     (:attr:`~refusion.models.backend.Backbone.time_forwards`: two synchronisations per forward on a GPU)
     and each record adds ``forward_s`` (a batched one: ``batch_forward_s``, its chunk's). ``shard=(k, n)``
     decodes only the samples whose index ``i`` has ``i % n == k`` (one worker of
-    :mod:`refusion.experiments.sharding`).
+    :mod:`refusion.experiments.sharding`). With ``record_tokens_in`` every record carries ``tokens_in``
+    (the tokens fed in its rows of the forwards it took part in; a speculative decode's records always do).
 
     ``OUT/manifest.json`` records what produced the folder (:mod:`refusion.experiments.manifest`: every
     run's validated config per task, its model's weights hash, the machine, ``command`` and ``inputs``)
@@ -257,12 +258,13 @@ def evaluate(
                 for i, res in zip(idx, results):
                     ex = examples[task.name][i]
                     counts = res.stats.extra or {}  # a decoder's own counts (speculative: drafted, accepted, ...)
-                    rec = SampleRecord(
+                    rec = SampleRecord(  # tokens_in: tokens fed in the sample's rows of its forwards
                         run=run.label, task=task.name, idx=i, seed=seed, decoder=run.decoder, model=run.model,
                         config_key=entries[run.label][task.name]["config_key"], correct=bool(task.score(ex, res.text)),
                         generated_tokens=res.stats.generated_tokens, nfe=res.stats.nfe, wall_s=res.stats.wall_s,
                         **chunk, completion=res.text, token_ids=res.token_ids,
-                        tokens_in=res.stats.tokens_in if counts else None, extra=dict(counts)).to_dict()
+                        tokens_in=res.stats.tokens_in if record_tokens_in or counts else None,
+                        extra=dict(counts)).to_dict()
                     writer.write(rec)
                     records.append(rec)
                     bar.update()

@@ -4,7 +4,7 @@ Rule (docs/bench.md): per task, the fastest run (tokens/s) whose validation accu
 ``tolerance`` of the baseline's (AR greedy, same run); if none is, the most accurate run (ties: the
 faster). ``python -m refusion.experiments.tune runs/ablate/tune_refusion`` prints the picks and the
 ``tasks:`` block to paste into ``configs/bench/bench.yaml``: the grid's shared ``set`` values and the chosen
-run's axis values.
+run's axis values, or, for a run the config names one by one, that run's ``set``.
 """
 
 from __future__ import annotations
@@ -46,16 +46,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = json.loads((Path(a.folder) / "results.json").read_text())
     chosen = pick(rows, a.baseline, a.tolerance)
     base = {r["task"]: r for r in rows if r["run"] == a.baseline}
-    grid = load_ablation(a.config).grid
-    missing = [key for key in grid.axes if any(key not in r for r in chosen.values())]
-    if missing:
-        print(f"error: {a.folder}/results.json has no column for axes {missing} of --config {a.config}; "
-              "pass the ablation config that made it", file=sys.stderr)
+    ablation = load_ablation(a.config)
+    grid, named = ablation.grid, {spec.label: spec for spec in ablation.runs}
+    unknown = sorted({r["run"] for r in chosen.values() if r["run"] not in named and grid is None})
+    missing = [key for key in (grid.axes if grid else ()) if any(key not in r for r in chosen.values()
+                                                                  if r["run"] not in named)]
+    if missing or unknown:
+        print(f"error: {a.folder}/results.json has no column for axes {missing} or no run {unknown} of --config "
+              f"{a.config}; pass the ablation config that made it", file=sys.stderr)
         return 2
     print("tasks:")
     for task, r in chosen.items():
         knobs: dict[str, Any] = {}
-        settings = [*grid.set.items(), *((key, r[key]) for key in grid.axes)]  # the grid's shared settings too
+        if r["run"] in named:  # a run named in the config: its own settings
+            decoder, settings = named[r["run"]].decoder, list(named[r["run"]].set.items())
+        else:  # a grid point: the grid's shared settings and its axis values
+            decoder, settings = grid.decoder, [*grid.set.items(), *((key, r[key]) for key in grid.axes)]
         for key, value in settings:  # dotted keys nest, as bench.yaml's task overrides expect
             *parents, leaf = key.split(".")
             node = knobs
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             node[leaf] = value
         print(f"  {task}:  # {r['run']}: acc {100 * r['accuracy']:.1f}% vs {a.baseline} "
               f"{100 * base[task]['accuracy']:.1f}%, {r['tokens_per_second']:.1f} tok/s, TPF {r['tpf']:.2f}")
-        print(f"    {grid.decoder}: {json.dumps(knobs)}")
+        print(f"    {decoder}: {json.dumps(knobs)}")
     return 0
 
 

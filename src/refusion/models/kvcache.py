@@ -21,6 +21,8 @@ decoding loop runs unchanged on either.
 from __future__ import annotations
 
 import copy
+import inspect
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,6 +64,9 @@ class DenseCache:
 
     def length(self) -> int:
         return self.kv.get_seq_length()
+
+    def live_sequences(self) -> int:
+        return 1
 
     def n_rows(self) -> int:
         layer = self.kv.layers[0] if self.kv.layers else None
@@ -181,6 +186,7 @@ class RaggedCache:
     def __init__(self, backbone: "Backbone") -> None:
         self.backbone = backbone
         self.n_layers, self.n_kv_heads, self.head_dim = kv_geometry(backbone.model.config)
+        self._head_per_row = head_per_row_supported(backbone.model)
         self.keys: list[Tensor] = []  # per layer [rows of the buffers, n_kv_heads, C, head_dim]
         self.values: list[Tensor] = []
         self.lengths: list[int] = []  # per logical row
@@ -268,9 +274,11 @@ class RaggedCache:
         Rows are padded on the right to the longest request's length; a padding token is written after
         the row's real ones and never counted (the row's length advances by its real tokens only, and
         only with ``keep_kv``). Each row attends to its cached tokens and to its new tokens as its
-        request's :class:`~refusion.core.loop.Attention` says; no real token sees padding. Logits are
-        computed at the union of the requested positions. When the requests cover every row, the
-        buffers end in the requests' row order."""
+        request's :class:`~refusion.core.loop.Attention` says; no real token sees padding. The output
+        head runs on each row's own requested positions only (:func:`_head_on_rows`) when the rows ask
+        for different ones and the model allows it (:func:`head_per_row_supported`), else on the union of
+        the requested positions in every row. When the requests cover every row, the buffers end in the
+        requests' row order."""
         bb = self.backbone
         dev, dtype = bb.device, bb.model.dtype
         rows = [r for req in requests for r in req.cache.rows]
@@ -296,11 +304,24 @@ class RaggedCache:
         width = past + T
         mask = additive_mask(self._allowed(requests, offsets, T, width), dtype)[:, None]  # [R', 1, T, width]
         cache = offset_cache(keys, values, offsets, T, width)
-        wanted = [req.columns() for req in requests]
-        union = sorted(set(c for cols in wanted for c in cols))
-        any_logits = any(req.logits_at is not None for req in requests)
-        logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
-                            logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
+        wanted = [req.columns() if req.logits_at is not None else None for req in requests]
+        union = sorted(set(c for cols in wanted if cols for c in cols))
+        any_logits = any(cols is not None for cols in wanted)
+        row_of: list[int] = []  # per kept (row, column) pair, request after request, row after row
+        col_of: list[int] = []
+        for start, req, cols in zip(_starts(requests), requests, wanted):
+            for j in range(len(req.cache.rows) if cols else 0):
+                row_of += [start + j] * len(cols)
+                col_of += cols
+        flat = logits = None
+        if self._head_per_row and 0 < len(row_of) < len(rows) * len(union):
+            # rows ask for different columns: the head runs on each row's own positions only
+            with _head_on_rows(bb.model, from_host(row_of, dev, torch.long)):
+                flat = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
+                                  logits_at=from_host(col_of, dev, torch.long))[0]  # [N, V]
+        else:
+            logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
+                                logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
         if every:  # the gathered buffers are the cache now, row i holding logical row rows[i]
             self.keys, self.values = keys, values
             for i, r in enumerate(rows):
@@ -310,15 +331,18 @@ class RaggedCache:
                 self.keys[i].index_copy_(0, index, keys[i])
                 self.values[i].index_copy_(0, index, values[i])
         out: list[Tensor | None] = []
-        at = 0
+        at = flat_at = 0
         place = {c: i for i, c in enumerate(union)}
         for req, cols in zip(requests, wanted):
             r = len(req.cache.rows)
             if req.keep_kv:
                 for row in req.cache.rows:
                     self.lengths[row] += req.ids.shape[-1]
-            if req.logits_at is None:
+            if cols is None:
                 out.append(None)
+            elif flat is not None:
+                out.append(flat[flat_at : flat_at + r * len(cols)].view(r, len(cols), flat.shape[-1]))  # [r, n, V]
+                flat_at += r * len(cols)
             else:
                 mine = logits[at : at + r]
                 if cols != union:
@@ -355,6 +379,49 @@ class RaggedCache:
         return segment_allowed(seg_q, seg_k)
 
 
+def _starts(requests: list[ForwardRequest]) -> list[int]:
+    """Each request's first row in the batched forward (its rows follow one another)."""
+    out, at = [], 0
+    for req in requests:
+        out.append(at)
+        at += len(req.cache.rows)
+    return out
+
+
+def head_per_row_supported(model) -> bool:
+    """Whether a batched forward can run the output head on each row's own positions: the model takes
+    ``logits_to_keep`` (an index tensor of fed positions, applied to the hidden states before the head,
+    as transformers' causal LMs do) and has an output-embedding module (its head) to hook."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    return isinstance(head, torch.nn.Module) and "logits_to_keep" in inspect.signature(type(model).forward).parameters
+
+
+@contextmanager
+def _head_on_rows(model, row_of: Tensor):
+    """Within it, the model's head gets each kept position's hidden state from its own row only.
+
+    The forward is called with ``logits_to_keep`` = the column of each kept (row, column) pair, ``[N]``, so
+    the hidden states reaching the head are ``[R, N, H]`` (every row at every kept column: a gather, no
+    head compute); this pre-hook keeps entry k of row ``row_of[k]`` -> ``[1, N, H]``, so the head computes
+    N rows, not R x N (or R x the union of the columns). The logits come back ``[1, N, V]``. Meanwhile
+    ``model.refusion_logits_rows`` holds ``row_of`` (a hook on the model's output reads which row each
+    logits entry belongs to there: :func:`refusion.testing.models.kept_rows`)."""
+    def pre_hook(module, args):
+        hidden = args[0]  # [R, N, H]
+        return (hidden[row_of, torch.arange(hidden.shape[1], device=hidden.device)][None], *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(pre_hook)
+    model.refusion_logits_rows = row_of
+    try:
+        yield
+    finally:
+        handle.remove()
+        del model.refusion_logits_rows
+
+
 def _pad_right(t: Tensor, width: int, value: int) -> Tensor:
     if t.dim() == 1:
         t = t[None]
@@ -372,6 +439,10 @@ class CacheView:
 
     def n_rows(self) -> int:
         return len(self.rows)
+
+    def live_sequences(self) -> int:
+        """Sequences of the batch not yet finished (a finished one's view leaves it)."""
+        return len(self.owner.views)
 
     def length(self) -> int:
         return max(self.owner.lengths[r] for r in self.rows)

@@ -58,9 +58,13 @@ def tiny_backbone(attention: str = "causal", seed: int = 0, layers: int = 2, tok
     return Backbone(make_tiny_qwen3(len(tokenizer), seed=seed, layers=layers, attention=attention), tokenizer)
 
 
-def kept_rows(per_position: torch.Tensor, logits_to_keep, n_rows: int) -> torch.Tensor:
+def kept_rows(per_position: torch.Tensor, logits_to_keep, n_rows: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The entries of ``per_position [B, T]`` at the positions whose logits a forward computed (``n_rows``
-    of them: a model that ignores ``logits_to_keep`` computes all)."""
+    of them: a model that ignores ``logits_to_keep`` computes all). ``rows``: in a batched forward whose
+    head ran on each row's own positions (``model.refusion_logits_rows``), the row of each kept entry ->
+    ``[1, N]``."""
+    if rows is not None:
+        return per_position[rows, logits_to_keep][None]
     if n_rows == per_position.shape[1]:
         return per_position
     if isinstance(logits_to_keep, torch.Tensor):
@@ -78,7 +82,8 @@ def force_token(model, position: int, token: int, boost: float = 1e4, mask_id: i
     def hook(module, args, kwargs, output):
         ids, pos = kwargs["input_ids"], kwargs["position_ids"]
         target = torch.where(ids == mask_id, pos, pos + 1)
-        target = kept_rows(target, kwargs.get("logits_to_keep", 0), output.logits.shape[1])
+        target = kept_rows(target, kwargs.get("logits_to_keep", 0), output.logits.shape[1],
+                           getattr(module, "refusion_logits_rows", None))
         output.logits[..., token] += boost * (target == position).to(output.logits.dtype)
         return output
 
