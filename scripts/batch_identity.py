@@ -19,11 +19,14 @@ from pathlib import Path
 import torch
 
 from refusion.core.config import build_decoder
-from refusion.experiments.ablate import CONFIGS_DIR, build_runs, load_ablation
+from refusion.experiments.ablate import build_runs, load_ablation
+from refusion.experiments.config_files import shipped_configs
 from refusion.experiments.bench import bench_runs, load_bench_config
 from refusion.models.backend import Backbone
 from refusion.models.tokenizer import encode_prompt
 from refusion.tasks import get_task
+
+SHIPPED_GRIDS = ("tune_refusion", "tune_refusion_paper")  # the tuning grids on the shipped models
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    names = a.configs.split(",") if a.configs else ["bench"] + sorted(
-        f.stem for f in CONFIGS_DIR.glob("*.yaml") if f.stem != "bench")
+    names = a.configs.split(",") if a.configs else ["bench", *shipped_configs("ablations"), *SHIPPED_GRIDS]
     backbones: dict[str, Backbone] = {}
     rows, total, differ = [], 0, 0
     for name in names:

@@ -12,9 +12,8 @@ batch=${2:-1}
 bin=${REFUSION_BIN:-.venv/bin/refusion}
 mkdir -p "$out"
 "$bin" bench --out "$out/bench" --resume --threads 1 --batch-size "$batch"
-for cfg in src/refusion/experiments/configs/*.yaml; do
+for cfg in src/refusion/experiments/configs/ablations/*.yaml src/refusion/experiments/configs/tuning/tune_refusion*.yaml; do
   name=$(basename "$cfg" .yaml)
-  [ "$name" = bench ] && continue
   limit=20; [ "$name" = tune_refusion ] && limit=5
   "$bin" ablate "$name.yaml" --out "$out/$name" --limit "$limit" --resume --threads 1 --batch-size "$batch"
 done

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=32)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the row's config")
     p.add_argument("--batch-aware", default=None, metavar="ROW",
-                   help="decode with this row of configs/batch_aware.yaml instead of bench.yaml's refusion")
+                   help="decode with this row of configs/bench/batch_aware.yaml instead of bench.yaml's refusion")
     a = p.parse_args(argv)
     if a.batch_size < 2 or a.limit % a.batch_size:
         p.error("--batch-size must be at least 2 and divide --limit (a batch of one decodes outside the batch cache)")

@@ -62,7 +62,7 @@ def micro_refusion(tmp_path_factory):
                       tok.encode(MICRO_SENTENCE + q + ".", add_special_tokens=False) + [tok.eos_token_id]))
     model = build_model(tok, size="micro", seed=0)
     objective = build_registry(make_plugin_manager(autoload=False)).get("objective", "refusion").from_tokenizer(tok)
-    cfg = TrainConfig(steps=400, batch_size=32, lr=3e-3, progress=False, log_every=100)
+    cfg = TrainConfig(steps=400, batch_size=32, lr=3e-3, progress=False, log_every=100, save_every=0, eval_every=0)
     Trainer(model, tok, objective, pairs, cfg, tmp_path_factory.mktemp("micro")).train()
     return Backbone(model.eval(), tok)
 

@@ -106,7 +106,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         table.add_column(col)
     for e in rows:
         table.add_row(e.kind, e.name, f"{e.cls.__module__}.{e.cls.__qualname__}", e.origin)
-    from refusion.experiments.runner import print_fitted
+    from refusion.experiments.tables import print_fitted
 
     print_fitted(table, "`refusion plugins --json` prints every field", Console(markup=False))
     return 0

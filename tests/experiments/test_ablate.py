@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from refusion.core.config import ConfigError, validate_config
-from refusion.experiments.ablate import CONFIGS_DIR, build_runs, load_ablation, run_ablation
+from refusion.experiments.ablate import build_runs, load_ablation, run_ablation
+from refusion.experiments.config_files import CONFIGS_DIR, KINDS, find_config, shipped_configs
 from refusion.models.loading import save_pretrained
 from refusion.tasks import get_task
 
@@ -60,36 +61,56 @@ def test_bad_ablation_config_names_the_field(tmp_path):
         load_ablation(tmp_path / "nope.yaml")
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml") if p.stem != "bench"))
+ABLATION_KINDS = ("ablations", "tuning", "research")
+
+
+@pytest.mark.parametrize("name", sorted(n for k in ABLATION_KINDS for n in shipped_configs(k)))
 def test_every_shipped_ablation_is_a_valid_config_on_each_of_its_tasks(name):
     """A grid value the decoder rejects on one task (e.g. a serial block count that does not divide
     that task's slots) must fail here, not an hour into ``refusion results``."""
-    cfg = load_ablation(name + ".yaml")
+    cfg = load_ablation(name)
     for run in build_runs(cfg):
         for task in cfg.tasks:
             validate_config(run.configs[task])
 
 
-DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+BENCH_ROWS = ("batch_aware",)  # configs/bench/ files of batch-aware rows (batch-bench --batch-aware), not bench configs
 
 
-@pytest.mark.parametrize("path", sorted(DOCS_DIR.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_ablation_the_docs_run_is_a_valid_config_on_each_of_its_tasks(path):
-    cfg = load_ablation(path)
-    for run in build_runs(cfg):
-        for task in cfg.tasks:
-            validate_config(run.configs[task])
-
-
-@pytest.mark.parametrize("path", sorted((DOCS_DIR / "bench_configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_bench_config_the_docs_name_is_valid_on_each_of_its_tasks(path):
-    """The bench configs that docs ablations name as ``bench_config:`` decode every configured row on every task."""
+@pytest.mark.parametrize("name", sorted(n for n in shipped_configs("bench") if n not in BENCH_ROWS))
+def test_every_shipped_bench_config_is_valid_on_each_of_its_tasks(name):
+    """The bench configs (``refusion bench --config NAME``, an ablation's ``bench_config: NAME``) decode every
+    configured row on every task."""
     from refusion.experiments.bench import bench_runs, load_bench_config
 
-    cfg = load_bench_config(path)
-    for run in bench_runs(cfg, list(cfg.models), list(cfg.tasks)):
+    cfg = load_bench_config(name)
+    for run in bench_runs(cfg, list(cfg.models), list(cfg.tasks) or ["arith", "code", "facts"]):
         for task, config in run.configs.items():
             validate_config(config)
+
+
+def test_every_shipped_config_is_found_by_its_name_its_file_name_and_an_old_path():
+    """One tree, names unique across its kinds; ``kv_cache``, ``kv_cache.yaml`` and ``docs/tune_bench.yaml``
+    (where a grid lived before) all name the shipped file; a stray name lists the shipped ones."""
+    from refusion.experiments.bench import load_bench_config
+
+    stems = [f.stem for k in KINDS for f in (CONFIGS_DIR / k).glob("*.yaml")]
+    assert len(stems) == len(set(stems)) == len(shipped_configs()) > 30
+    for name, path in shipped_configs().items():
+        assert find_config(name) == find_config(name + ".yaml") == find_config(f"docs/{name}.yaml") == path
+        if name in BENCH_ROWS:
+            from refusion.experiments.batching import load_variants
+
+            assert load_variants(name)
+        else:
+            (load_bench_config if path.parent.name == "bench" else load_ablation)(name)
+    with pytest.raises(ConfigError, match="is a bench config"):
+        load_ablation("bench")
+    with pytest.raises(ConfigError, match="shipped bench: .*llada_b8_picks"):
+        load_bench_config("no_such_bench")
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    stray = [str(p.relative_to(docs)) for p in docs.rglob("*") if p.is_file() and p.suffix not in (".md", ".png", ".svg")]
+    assert stray == []  # docs/ holds only pages and figures
 
 
 def test_plots_are_byte_identical_when_redrawn(tmp_path):

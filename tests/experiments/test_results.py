@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from refusion.experiments import results
-from refusion.experiments.results import (CLAIMS, Inconclusive, agree, as_accurate, faster, speed_ratio, verdict,
-                                          write_document)
+from refusion.experiments import claims, results, results_page
+from refusion.experiments.claims import CLAIMS, Inconclusive, agree, as_accurate, faster, speed_ratio, verdict
+from refusion.experiments.results_page import write_document
 
 CLAIM = {c.ablation: c for c in CLAIMS}
 
@@ -86,7 +86,7 @@ def test_kv_cache_judged_at_the_reference_settings_where_the_shipped_ones_make_t
     faster = [row("arith", "kv_concat_ref", 0.55, tps=11, tpf=9.3, nfe_mean=13.4), ref[1]]
     assert verdict(CLAIM["kv_cache"], same + faster)[0] == "holds"
     with pytest.raises(KeyError):  # half a pair is a missing run, not a pair to skip
-        results.kv_reuse_faster_and_as_accurate({r["run"]: r for r in same + ref[:1]})
+        claims.kv_reuse_faster_and_as_accurate({r["run"]: r for r in same + ref[:1]})
 
 
 def test_missing_run_cannot_be_tested():
@@ -113,13 +113,13 @@ def test_frontier_compares_accuracy_lost_per_tpf():
 
 
 def test_document_is_written_from_results_folders(tmp_path, monkeypatch):
-    monkeypatch.setattr(results, "machine", lambda: "test box")
-    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    monkeypatch.setattr(results_page, "machine", lambda: "test box")
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 0123456789")
     out = tmp_path / "runs"
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
-    samples = [{"run": run, "task": "arith", "idx": i, "correct": True, "wall_s": 45.0,
+    samples = [{"run": run, "task": "arith", "idx": i, "correct": True, "wall_s": 45.0, "nfe": 1,
                 "generated_tokens": 12 if run == "kv_concat" else 10}
                for run in ("kv_concat", "kv_recompute") for i in range(2)]  # 4 decodes of 45 s: 3.0 min
     (out / "kv_cache" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
@@ -142,8 +142,8 @@ def test_jobs_run_each_ablation_in_a_worker_and_report_failures(tmp_path, monkey
     """--jobs: every ablation runs once in a subprocess; its wall time is recorded; a failing worker is named."""
     import sys
 
-    monkeypatch.setattr(results, "machine", lambda: "test box")
-    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    monkeypatch.setattr(results_page, "machine", lambda: "test box")
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 0123456789")
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
 
     def fake(name, out, limit, resume, device, **_):
@@ -183,8 +183,8 @@ def fake_ablations(monkeypatch, box: str) -> None:
     """Every ablation a worker that writes two equally accurate kv_cache rows; the machine named ``box``."""
     import sys
 
-    monkeypatch.setattr(results, "machine", lambda: box)
-    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    monkeypatch.setattr(results_page, "machine", lambda: box)
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 0123456789")
     rows = [row("arith", "kv_concat", 0.9, tps=12), row("arith", "kv_recompute", 0.9, tps=10)]
     code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'results.json').write_text(sys.argv[2])"
     monkeypatch.setattr(results, "ablation_command",
@@ -198,7 +198,8 @@ def test_only_reruns_some_ablations_and_keeps_the_others_on_the_page(tmp_path, m
     results.run_all(out, doc, ["kv_cache", "slot_size"], jobs=2)
     (out / "timings.json").write_text(json.dumps({"kv_cache": 600.0, "slot_size": 120.0}))
     (out / "slot_size" / "samples.jsonl").write_text(json.dumps(  # slot_size's decode time: 2.0 min
-        {"run": "kv_concat", "task": "arith", "idx": 0, "correct": True, "wall_s": 120.0, "generated_tokens": 10}) + "\n")
+        {"run": "kv_concat", "task": "arith", "idx": 0, "correct": True, "wall_s": 120.0, "generated_tokens": 10,
+         "nfe": 1}) + "\n")
     text = results.run_all(out, doc, ["kv_cache"], jobs=2)
     assert 'id="slot_size"' in text and 'id="kv_cache"' in text
     timings = json.loads((out / "timings.json").read_text())
@@ -215,15 +216,39 @@ def test_only_keeps_the_sections_of_the_existing_page_whose_results_are_gone(tmp
     results.run_all(tmp_path / "first", doc, ["kv_cache", "slot_size"], jobs=2)
     first = doc.read_text()
     slot_size = first[first.index('<a id="slot_size"></a>'):]
-    monkeypatch.setattr(results, "machine", lambda: "newer box")
+    monkeypatch.setattr(results_page, "machine", lambda: "newer box")
     monkeypatch.setattr(results, "models_used", lambda name: ["tiny-x"])
     text = results.run_all(tmp_path / "second", doc, ["kv_cache"], jobs=2)
     assert text.endswith(slot_size) and "Ran " in slot_size and "on new box." in slot_size
     assert text.count("on newer box.") == 1 and 'id="kv_cache"' in text
     assert "(slot_size) name their own date and machine" in text and "(each section gives the date its analysis ran)" in text
-    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 9876543210")  # retrained since
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 9876543210")  # retrained since
     with pytest.raises(RuntimeError, match="section 'slot_size' decoded tiny-x with weights that have changed"):
         results.run_all(tmp_path / "third", doc, ["kv_cache"], jobs=2)
+
+
+def test_a_rerun_keeps_the_sections_it_does_not_redo_from_the_index_beside_the_outputs(tmp_path, monkeypatch):
+    """OUT/index.json records each section (date, machine, weights, minutes, row, text): a rerun into the same
+    OUT whose results for slot_size are gone keeps slot_size's section from the index, with no page to read;
+    one whose checkpoints' weights changed since is refused."""
+    fake_ablations(monkeypatch, "new box")
+    monkeypatch.setattr(results_page, "models_used", lambda name: ["tiny-x"])
+    monkeypatch.setattr(results, "models_used", lambda name: ["tiny-x"])
+    out = tmp_path / "runs"
+    first = results.run_all(out, tmp_path / "a.md", ["kv_cache", "slot_size"], jobs=2)
+    entry = json.loads((out / "index.json").read_text())["sections"]["slot_size"]
+    assert entry["machine"].startswith("new box.") and entry["weights"] == {"tiny-x": "0123456789"}
+    assert first.endswith(entry["text"]) and entry["summary_row"] in first
+    import shutil
+
+    shutil.rmtree(out / "slot_size")
+    monkeypatch.setattr(results_page, "machine", lambda: "newer box")
+    text = results.run_all(out, tmp_path / "b.md", ["kv_cache"], jobs=2)  # b.md: no page to read sections from
+    assert text.endswith(entry["text"]) and entry["summary_row"] in text and "(slot_size) name their own" in text
+    assert json.loads((out / "index.json").read_text())["sections"]["slot_size"] == entry  # kept as it was
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 9876543210")  # retrained since
+    with pytest.raises(RuntimeError, match="index.json: section 'slot_size' decoded tiny-x with weights that"):
+        results.run_all(out, tmp_path / "c.md", ["kv_cache"], jobs=2)
 
 
 def test_tasks_at_chance_are_not_tested_for_accuracy_claims():
@@ -263,15 +288,15 @@ def test_frontier_is_not_tested_where_one_decoder_is_at_chance_at_every_tpf():
 
 
 def test_doc_only_rewrites_the_document_with_the_tested_scope(tmp_path, monkeypatch):
-    monkeypatch.setattr(results, "machine", lambda: "test box")
-    monkeypatch.setattr(results, "shipped_models", lambda: "`tiny-x` 0123456789")
+    monkeypatch.setattr(results_page, "machine", lambda: "test box")
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-x` 0123456789")
     out = tmp_path / "runs"
     (out / "kv_cache").mkdir(parents=True)
     rows = [row("arith", "kv_concat", 0.0, tps=12), row("arith", "kv_recompute", 0.0, tps=10),
             row("code", "kv_concat", 0.6, tps=12), row("code", "kv_recompute", 0.6, tps=10)]
     (out / "kv_cache" / "results.json").write_text(json.dumps(rows))
     (out / "kv_cache" / "samples.jsonl").write_text("".join(json.dumps(
-        {"run": r["run"], "task": r["task"], "idx": i, "correct": ok, "wall_s": 0.15,
+        {"run": r["run"], "task": r["task"], "idx": i, "correct": ok, "wall_s": 0.15, "nfe": 1,
          "generated_tokens": 12 if r["run"] == "kv_concat" else 10}) + "\n"  # reuse 1.2x recompute's tokens/s
         for r in rows for i, ok in r["per_sample"].items()))  # 800 decodes of 0.15 s: 2.0 min
     text = results.run_all(out, tmp_path / "r.md", ["kv_cache"], run=False, command="refusion results --limit 20")
@@ -285,7 +310,7 @@ def test_the_page_names_each_shipped_model_by_a_hash_of_its_weights():
 
     from refusion.models.loading import shipped_checkpoints
 
-    text = results.shipped_models()
+    text = results_page.shipped_models()
     assert [m.group(1) for m in re.finditer(r"`([\w-]+)` [0-9a-f]{10}\b", text)] == shipped_checkpoints()
 
 
@@ -298,7 +323,7 @@ def test_a_claim_about_accuracy_is_not_tested_where_every_run_is_at_the_ceiling(
 
 
 def test_step_table_compares_each_rung_with_the_one_before_on_shared_samples():
-    from refusion.experiments.results import step_table
+    from refusion.experiments.claims import step_table
 
     def rec(run, idx, correct, wall):
         return {"run": run, "task": "arith", "idx": idx, "correct": correct, "generated_tokens": 10, "nfe": 5,
@@ -353,5 +378,33 @@ def test_versus_table_counts_token_identical_samples_and_gives_paired_verdicts()
     rows = [row("arith", "refusion", 0.9, tps=30), row("arith", "spec-diffusion", 0.9, tps=20)]
     records = [{"run": run, "task": "arith", "idx": i, "token_ids": [1, 3] if (run, i) == ("spec-diffusion", 1) else [1, 2]}
                for run in ("ar", "spec-diffusion") for i in range(3)]
-    lines = results.versus_table(rows, records, "refusion", "spec-", "ar")
+    lines = claims.versus_table(rows, records, "refusion", "spec-", "ar")
     assert lines[2] == "| arith | spec-diffusion | 2/3 | 1.50x [1.50, 1.50] | faster | +0.0 [+0.0, +0.0] | as accurate |"
+
+
+def test_doc_only_rewrites_a_page_byte_for_byte_from_the_same_outputs(tmp_path, monkeypatch):
+    """fixtures/results_page.md is the page the code before the split (claims / page renderer / index) wrote
+    from fixtures/results_page/ (kv_cache and the stepped ladder, --limit 2), clock and machine fixed; the
+    renderer writes the same bytes, and an index beside the outputs records each section."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    import torch
+
+    fixtures = Path(__file__).parent / "fixtures"
+    out = tmp_path / "runs"
+    shutil.copytree(fixtures / "results_page", out)
+    fixed = time.struct_time((2026, 12, 7, 6, 0, 0, 0, 341, 0))
+    monkeypatch.setattr(time, "gmtime", lambda *a: fixed)
+    monkeypatch.setattr(results_page, "machine", lambda: "fixture box")
+    monkeypatch.setattr(results_page, "shipped_models", lambda: "`tiny-ar` 26f23c19f8, `tiny-refusion` 78ea9a4686")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    doc = tmp_path / "page" / "results.md"
+    text = results.run_all(out, doc, ["kv_cache", "ladder"], run=False, command="refusion results --limit 2")
+    assert text == doc.read_text() == (fixtures / "results_page.md").read_text()
+    index = json.loads((out / "index.json").read_text())["sections"]
+    assert list(index) == ["kv_cache", "ladder"] and index["kv_cache"]["date"] == "2026-12-07 06:00 UTC"
+    assert index["kv_cache"]["weights"] == {"tiny-refusion": "78ea9a4686"} and index["ladder"]["minutes"] > 0
+    assert f"| {index['ladder']['minutes']:.1f} min |" in index["ladder"]["summary_row"]
+    assert text.endswith(index["ladder"]["text"])

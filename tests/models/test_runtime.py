@@ -230,7 +230,10 @@ def test_ablation_runtime_over_the_bench_config_under_the_flags(tmp_path, monkey
         ablate.run_ablation(cfg, tmp_path / "out", runtime=RuntimeOptions(attn_implementation="sdpa"))
     assert seen["runtime"] == RuntimeOptions(device="cpu", dtype="bfloat16", attn_implementation="sdpa")
     cmd = results.ablation_command("kv_cache", tmp_path, None, False, RuntimeOptions(device="cuda", dtype="float16"))
-    assert cmd[-4:] == ["--device", "cuda", "--dtype", "float16"]
+    from refusion.core.workers import decode
+
+    call = decode(json.loads((tmp_path / "call.json").read_text())["kwargs"])  # the worker's written settings
+    assert cmd[-1] == str(tmp_path / "call.json") and call["runtime"] == RuntimeOptions(device="cuda", dtype="float16")
 
 
 def test_lm_eval_model_args_take_the_runtime_options():

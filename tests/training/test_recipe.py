@@ -1,6 +1,7 @@
 """The controlled recipe: stages run once, fine-tunes share the pretrained base, workers in parallel."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,18 +32,23 @@ def test_recipe_runs_stages_once_and_fine_tunes_in_parallel_workers(tmp_path):
 
 
 def test_fine_tune_workers_get_the_recipes_device(tmp_path, monkeypatch):
-    """Each worker's command carries the recipe's device (the GPU run of the shipped checkpoints used it)."""
+    """Each worker receives the recipe's settings, the device included (the GPU run of the shipped
+    checkpoints used it), for its one objective, as a written file."""
     from refusion.core import workers
+    from refusion.training.config import RecipeConfig
     from refusion.training.recipe import run_finetune_jobs
 
     seen = []
     monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
-    run_finetune_jobs(tmp_path, ["refusion", "block"], 2, 10, 5, 4, 0, None, "micro", device="cuda:1")
+    cfg = RecipeConfig(out=str(tmp_path), pretrain_steps=10, finetune_steps=5, batch_size=4, base_ar_steps=0,
+                       size="micro", device="cuda:1")
+    run_finetune_jobs(cfg, ["refusion", "block"], 2)
     assert [j.name for j in seen] == ["refusion", "block"]
     for job in seen:
-        i = job.cmd.index("--device")
-        assert job.cmd[i + 1] == "cuda:1" and job.cmd[job.cmd.index("--objectives") + 1] == job.name
-        assert job.cmd[job.cmd.index("--base-ar-steps") + 1] == "0"
+        assert job.cmd[1:3] == ["-m", "refusion.core.workers"]
+        call = workers.decode(__import__("json").loads(Path(job.cmd[3]).read_text())["kwargs"])
+        assert call["config"] == cfg.model_copy(update={"objectives": (job.name,), "threads": 1, "jobs": 1,
+                                                         "progress": False})
 
 
 def test_base_ar_stage_trains_the_base_further_and_replaces_it(tmp_path):
@@ -125,19 +131,6 @@ def test_refusion_arm_trains_with_long_slots_and_every_arm_on_the_mix_from_the_g
     for name in ("refusion", "ar"):
         rounds = [stages[refine_stage(name, r)] for r in (1, 2)]
         assert [(st["data"], st["train_examples"]) for st in rounds] == [("tinybench", 48), ("tinybench:arith=2", 96)]
-
-
-def test_fine_tune_workers_get_the_refine_rounds(tmp_path, monkeypatch):
-    from refusion.core import workers
-    from refusion.training.recipe import run_finetune_jobs
-
-    seen = []
-    monkeypatch.setattr(workers, "run_jobs", lambda jobs, n: seen.extend(jobs) or [])
-    run_finetune_jobs(tmp_path, ["mdm"], 1, 10, 5, 4, 0, None, "micro", refine_steps=3, refine_rounds=2,
-                      long_slots_from=4, mix_from=5)
-    assert seen[0].cmd[seen[0].cmd.index("--refine-rounds") + 1] == "2"
-    assert seen[0].cmd[seen[0].cmd.index("--long-slots-from") + 1] == "4"
-    assert seen[0].cmd[seen[0].cmd.index("--mix-from") + 1] == "5"
 
 
 def test_summary_writes_from_concurrent_writers_never_collide(tmp_path):

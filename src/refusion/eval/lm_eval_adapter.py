@@ -47,6 +47,10 @@ Data parallelism: under ``accelerate launch`` / ``torchrun`` (``WORLD_SIZE`` > 1
 process group through ``accelerate``'s ``PartialState`` (gloo on CPU, NCCL on CUDA, one GPU per rank),
 and implements ``all_gather`` / ``gather_object`` / ``barrier`` with ``torch.distributed``; the harness
 then strides the documents over the ranks and gathers the metrics on rank 0.
+
+Why one module of about 480 lines: the harness loads the model class by this module's name, and its
+three request types (generate_until, loglikelihood, loglikelihood_rolling) share the batching, padding and
+stats helpers here.
 """
 
 from __future__ import annotations
@@ -372,12 +376,13 @@ class RefusionLM(LM):
         rs = self.records if records is None else records
         if not rs:
             return {}
-        tokens, nfe, latency = (sum(r[k] for r in rs) for k in ("generated_tokens", "nfe", "wall_s"))
-        wall = sum(r["batch_wall_s"] / r["batch_samples"] if r.get("batch_wall_s") is not None else r["wall_s"]
-                   for r in rs)
-        return {"requests": len(rs), "tokens_per_second": tokens / wall if wall else 0.0,
-                "tpf": tokens / nfe if nfe else 0.0, "nfe_mean": nfe / len(rs), "latency_s_mean": latency / len(rs),
-                "generated_tokens_mean": tokens / len(rs)}
+        from dataclasses import fields
+
+        from refusion.experiments.records import DecodeTiming, Speed
+
+        names = {f.name for f in fields(DecodeTiming)}
+        speed = Speed.of([DecodeTiming(**{k: v for k, v in r.items() if k in names}) for r in rs])
+        return {"requests": len(rs), **speed.means()}
 
     # ---------------------------------------------------------------------- likelihoods
     def _require_causal(self, what: str) -> None:

@@ -1,7 +1,7 @@
 """``refusion ablate CONFIG.yaml``: a grid of decoders, parts and knobs x tasks x models.
 
 An ablation file names runs explicitly and/or as a grid (the cartesian product of its axes); each run
-starts from the bench's per-task settings for its decoder (``configs/bench.yaml``) and applies its own
+starts from the bench's per-task settings for its decoder (``configs/bench/bench.yaml``) and applies its own
 ``set`` overrides (dotted keys, as ``--set``)::
 
     name: kv_cache
@@ -23,7 +23,7 @@ starts from the bench's per-task settings for its decoder (``configs/bench.yaml`
     batch_size: 4                          # optional: samples per generate_batch call (default 1)
     seeds: 3                               # optional: every sample decoded with 3 seeds (default 1)
 
-``bench_config`` (default ``configs/bench.yaml``) gives the models and per-task settings runs start from.
+``bench_config`` (default ``configs/bench/bench.yaml``) gives the models and per-task settings runs start from.
 A run's ``model`` (a folder or shipped name) overrides the bench's model for its decoder. ``runtime``
 (how every model loads: :class:`~refusion.models.loading.Runtime`) overrides the bench config's
 ``runtime`` option by option, and the command-line flags override both. ``batch_size`` (default: the
@@ -47,14 +47,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from refusion.core.config import ConfigError
-from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import add_resume_args, add_seeds_arg, load_bench_config, seeds_note
+from refusion.core.threads import set_threads
+from refusion.experiments.bench import load_bench_config, seeds_note
+from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import (
     Run, check_batch_size, evaluate, markdown_table, print_table, summarize, write_json,
 )
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 
-CONFIGS_DIR = Path(__file__).parent / "configs"
 
 
 class Strict(BaseModel):
@@ -92,7 +92,8 @@ class AblationConfig(Strict):
     runs: list[RunSpec] = Field([], description="runs named one by one (RunSpec)")
     grid: GridSpec | None = Field(None, description="runs as the cartesian product of axes (GridSpec)")
     plots: list[PlotSpec] = Field([], description="plots written as PNG and SVG (PlotSpec)")
-    bench_config: str | None = Field(None, description="the bench config runs start from (default configs/bench.yaml)")
+    bench_config: str | None = Field(None, description="the bench config runs start from: a file or a shipped one's "
+                                                       "name (default configs/bench/bench.yaml)")
     runtime: RuntimeOptions = Field(default_factory=RuntimeOptions,
                                     description="device, dtype, attn_implementation, device_map, compile: over the bench "
                                                 "config's runtime, under the flags")
@@ -140,12 +141,11 @@ def schema_markdown() -> str:
 
 
 def load_ablation(path: str | Path) -> AblationConfig:
-    p = Path(path)
-    if not p.is_file() and (CONFIGS_DIR / p.name).is_file():
-        p = CONFIGS_DIR / p.name  # a shipped config by file name
-    if not p.is_file():
-        shipped = ", ".join(sorted(f.name for f in CONFIGS_DIR.glob("*.yaml") if f.name != "bench.yaml"))
-        raise ConfigError(f"ablation config {str(path)!r} not found (shipped: {shipped})")
+    """The ablation file at ``path``, or the shipped one of that name (:func:`~refusion.experiments.config_files.find_config`:
+    ``kv_cache``, ``kv_cache.yaml``, ``tune_bench.yaml``)."""
+    p = find_config(path, what="ablation config")
+    if p.parent.name == "bench" and p.parent.parent == CONFIGS_DIR:
+        raise ConfigError(f"ablation config {str(path)!r}: {p.name} is a bench config (refusion bench --config)")
     try:
         return AblationConfig.model_validate(yaml.safe_load(p.read_text()))
     except ValidationError as e:
@@ -186,11 +186,7 @@ def build_runs(cfg: AblationConfig, batch_size: int | None = None, seeds: int | 
 
 
 def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from refusion.experiments.figures import legend_below, save, task_panels
     from refusion.tasks import chance_accuracy
 
     tasks = sorted({r["task"] for r in rows})
@@ -198,7 +194,7 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
     scale = (lambda v: 100 * v) if spec.y == "accuracy" else (lambda v: v)
     labels = list(dict.fromkeys(r["run"] for r in rows))
     legend_h = 0.0 if swept else 0.25 * ((len(labels) + 3) // 4) + 0.1  # inches below the axes
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6 + legend_h), squeeze=False)
+    fig, axes = task_panels(len(tasks), height=3.6 + legend_h)
     decoders = list(dict.fromkeys(r["decoder"] for r in rows))
     colors = {d: f"C{i}" for i, d in enumerate(decoders)}  # one colour per decoder, or per run if only one
 
@@ -206,7 +202,7 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
         return colors[r["decoder"]] if len(decoders) > 1 else f"C{labels.index(r['run']) % 10}"
 
     markers = "osD^v<>pPX*h"
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes, tasks):
         pts = [r for r in rows if r["task"] == task and r.get(spec.x) is not None]
         if swept:
             pts.sort(key=lambda r: r[spec.x])
@@ -229,18 +225,11 @@ def plot(rows: list[dict[str, Any]], spec: PlotSpec, out: Path, stem: str) -> li
                 ax.annotate("chance", (0.01, 100 * guess), xycoords=("axes fraction", "data"), fontsize=7,
                             color="gray", va="bottom")
         ax.grid(alpha=0.3)
-    handles = {} if swept else {h.get_label(): h for ax in axes[0] for h in ax.collections}
-    if handles:
-        fig.legend([handles[lbl] for lbl in labels if lbl in handles], [lbl for lbl in labels if lbl in handles],
-                   loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
-    fig.suptitle(spec.title or f"{spec.y} vs {spec.x}")
-    fig.tight_layout(rect=(0, legend_h / (3.6 + legend_h), 1, 1))
-    paths = [out / f"{stem}.png", out / f"{stem}.svg"]
-    with matplotlib.rc_context({"svg.hashsalt": stem}):  # the same rows give the same files (no ids, no date)
-        fig.savefig(paths[0], dpi=130, metadata={"Software": None})
-        fig.savefig(paths[1], metadata={"Date": None})
-    plt.close(fig)
-    return paths
+    handles = {} if swept else {h.get_label(): h for ax in axes for h in ax.collections}
+    legend_below(fig, [handles[lbl] for lbl in labels if lbl in handles], [lbl for lbl in labels if lbl in handles],
+                 ncol=min(4, len(handles)), title=spec.title or f"{spec.y} vs {spec.x}",
+                 bottom=legend_h / (3.6 + legend_h), fontsize=8)
+    return save(fig, out, stem)
 
 
 def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int | None = None,
@@ -276,17 +265,17 @@ def run_ablation(config: str | Path, out: Path, resume: bool = False, limit: int
 
 
 def add_ablate_command(sub) -> None:
+    from refusion.experiments.args import (
+        add_batch_size_arg, add_machine_args, add_output_args, add_resume_args, add_seeds_arg,
+    )
+
     p = sub.add_parser("ablate", help="run an ablation grid (decoders, parts, knobs x tasks x models)")
-    p.add_argument("config", help="ablation YAML, or the file name of a shipped one (experiments/configs/)")
-    p.add_argument("--out", help="output folder (default runs/ablate/NAME)")
-    p.add_argument("--limit", type=int, help="samples per task (overrides the file's limit)")
+    p.add_argument("config", help="ablation YAML, or the name of a shipped one (experiments/configs/{ablations,tuning,research}/)")
+    add_output_args(p, None, "default runs/ablate/NAME", None, "overrides the file's limit")
     add_resume_args(p)
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
-                        "(default: the file's batch_size, else the bench config's, else 1)")
+    add_batch_size_arg(p, "the file's batch_size, else the bench config's, else 1")
     add_seeds_arg(p, default=None, default_help="the file's seeds, else 1")
-    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
-    add_threads_arg(p)
+    add_machine_args(p, device_help="cpu, cuda or cuda:N (default: the file's runtime.device, else cpu)")
     p.set_defaults(func=cmd_ablate)
 
 

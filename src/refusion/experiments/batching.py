@@ -38,19 +38,18 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refusion.core.config import ConfigError, load_config_file
-from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import DEFAULT_CONFIG, add_resume_args, bench_runs, load_bench_config, with_models
+from refusion.core.threads import set_threads
+from refusion.experiments.bench import bench_config_path, bench_runs, load_bench_config, with_models
+from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.crossover import aup, crossover_interval, percentile
-from refusion.experiments.records import load_records
+from refusion.experiments.records import SampleRecord, load_records, sample_records
 from refusion.experiments.stats import paired_accuracy, throughput_ratio
-from refusion.experiments.runner import (
-    Run, check_batch_size, decode_share_s, evaluate, forward_share_s, summarize, write_json,
-)
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.experiments.runner import Run, check_batch_size, evaluate, summarize, write_json
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 from refusion.tasks import get_task
 
 DEFAULT_SIZES = "1,2,4,8,16,32,64"
-BATCH_AWARE = Path(__file__).parent / "configs" / "batch_aware.yaml"  # the shipped batch-aware rows
+BATCH_AWARE = CONFIGS_DIR / "bench" / "batch_aware.yaml"  # the shipped batch-aware rows
 DEFAULT_LIMIT = 64  # samples per task: one chunk of the largest default size
 
 #: (key, table heading) of every reported column, in table order
@@ -93,8 +92,9 @@ class Variant(BaseModel):
 
 
 def load_variants(path: str | Path) -> dict[str, Variant]:
-    """Row label -> :class:`Variant` from a YAML file (``configs/batch_aware.yaml``'s format); errors name
-    the row and field."""
+    """Row label -> :class:`Variant` from a YAML file or a shipped one's name (``configs/bench/batch_aware.yaml``'s
+    format); errors name the row and field."""
+    path = find_config(path, "bench", what="batch-aware rows")
     data = load_config_file(path)
     out = {}
     for name, spec in data.items():
@@ -157,41 +157,40 @@ def batching_rows(records: list[dict[str, Any]], runs: list[Run]) -> list[dict[s
         r["decoder"] = base[r["run"]]  # the bench's decoder label (its row name in the bench's tables)
         r.pop("speedup", None)
     by_key = {(r["decoder"], r["task"], r["batch_size"]): r for r in rows}
-    ids_1 = {(base[x["run"]], x["task"], x["idx"]): x["token_ids"] for x in records
-             if x["run"] in base and x.get("batch_size", 1) == 1}
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for x in records:
-        if x["run"] in base:
-            groups.setdefault((x["run"], x["task"]), []).append(x)
+    samples = [x for x in sample_records(records) if x.run in base]
+    ids_1 = {(base[x.run], x.task, x.idx): x.token_ids for x in samples if (x.batch_size or 1) == 1}
+    groups: dict[tuple[str, str], list[SampleRecord]] = {}
+    for x in samples:
+        groups.setdefault((x.run, x.task), []).append(x)
     for r in rows:
         rs = groups[r["run"], r["task"]]
         one = by_key.get((r["decoder"], r["task"], 1))
         ar = by_key.get(("ar", r["task"], r["batch_size"]))
         r["vs_batch_1"] = _ratio(r, one)
         r["speedup_vs_ar"] = _ratio(r, ar)
-        fwd = [forward_share_s(x) for x in rs]
-        wall = sum(decode_share_s(x) for x in rs)
+        fwd = [x.forward_share_s() for x in rs]
+        wall = sum(x.decode_share_s() for x in rs)
         r["forward_share"] = sum(fwd) / wall if wall and None not in fwd else None
-        latencies = [x["wall_s"] for x in rs]
+        latencies = [x.wall_s for x in rs]
         r["latency_s_p50"], r["latency_s_p95"] = percentile(latencies, 50), percentile(latencies, 95)
-        fed = [x.get("tokens_in") for x in rs]
-        tokens = sum(x["generated_tokens"] for x in rs)
+        fed = [x.tokens_in for x in rs]
+        tokens = sum(x.generated_tokens for x in rs)
         r["fed_per_token"] = sum(fed) / tokens if tokens and None not in fed else None
         r["aup"] = aup([(r["tpf"], 100 * r["accuracy"])], 100.0) if r["tpf"] > 0 else None
         r["accuracy_diff_vs_ar"] = r["speedup_interval"] = None
-        mates = {x["idx"]: x for x in groups.get((ar["run"], r["task"]), [])} if ar and ar is not r else {}
-        pairs = [(mates[x["idx"]], x) for x in rs if x["idx"] in mates]
+        mates = {x.idx: x for x in groups.get((ar["run"], r["task"]), [])} if ar and ar is not r else {}
+        pairs = [(mates[x.idx], x) for x in rs if x.idx in mates]
         if pairs:  # paired with ar at the same batch size, sample by sample
-            acc = paired_accuracy([a["correct"] for a, _ in pairs], [b["correct"] for _, b in pairs])
+            acc = paired_accuracy([a.correct for a, _ in pairs], [b.correct for _, b in pairs])
             r["accuracy_diff_vs_ar"] = {"value": acc.difference.value, "low": acc.difference.low,
                                         "high": acc.difference.high, "p_value": acc.p_value, "n": acc.n}
-            ratio = throughput_ratio([a["generated_tokens"] for a, _ in pairs], [decode_share_s(a) for a, _ in pairs],
-                                     [b["generated_tokens"] for _, b in pairs], [decode_share_s(b) for _, b in pairs])
+            ratio = throughput_ratio([a.generated_tokens for a, _ in pairs], [a.decode_share_s() for a, _ in pairs],
+                                     [b.generated_tokens for _, b in pairs], [b.decode_share_s() for _, b in pairs])
             r["speedup_interval"] = [ratio.low, ratio.high]
         if r["batch_size"] == 1:
             r["differ_from_batch_1"] = r["compared_with_batch_1"] = None
         else:
-            pairs = [(x["token_ids"], ids_1.get((r["decoder"], x["task"], x["idx"]))) for x in rs]
+            pairs = [(x.token_ids, ids_1.get((r["decoder"], x.task, x.idx))) for x in rs]
             r["differ_from_batch_1"] = sum(a != b for a, b in pairs if b is not None)
             r["compared_with_batch_1"] = sum(b is not None for _, b in pairs)
     order = {r.label: i for i, r in enumerate(runs)}
@@ -226,14 +225,18 @@ def crossover_rows(records: list[dict[str, Any]], runs: list[Run], baseline: str
             def grid(who: str, key) -> np.ndarray:  # [sizes, n]
                 return np.array([[key(by[who, task, n][i]) for i in common] for n in sizes], dtype=float)
 
-            tok_a, sec_a = grid(baseline, lambda x: x["generated_tokens"]), grid(baseline, decode_share_s)
-            tok_b, sec_b = grid(decoder, lambda x: x["generated_tokens"]), grid(decoder, decode_share_s)
+            tok_a, sec_a = grid(baseline, lambda x: x["generated_tokens"]), grid(baseline, _decode_share_s)
+            tok_b, sec_b = grid(decoder, lambda x: x["generated_tokens"]), grid(decoder, _decode_share_s)
             ratios = (tok_b.sum(1) / sec_b.sum(1)) / (tok_a.sum(1) / sec_a.sum(1))
             cross = crossover_interval(sizes, tok_a, sec_a, tok_b, sec_b)
             out.append({"decoder": decoder, "task": task, "n": len(common), "batch_sizes": sizes,
                         "ratios": {str(n): float(r) for n, r in zip(sizes, ratios)}, **cross.as_dict(),
                         "ratios_text": ", ".join(f"{n}: {r:.2f}x" for n, r in zip(sizes, ratios))})
     return out
+
+
+def _decode_share_s(record: dict[str, Any]) -> float:
+    return SampleRecord.from_dict(record).decode_share_s()
 
 
 def _cell(key: str, value: Any) -> str:
@@ -254,36 +257,24 @@ def _cell(key: str, value: Any) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
-def _markdown(rows: list[dict[str, Any]], columns) -> str:
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(k, r.get(k)) for k, _ in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def markdown_table(rows: list[dict[str, Any]], crossovers: list[dict[str, Any]] = ()) -> str:
-    """The rows' table; with ``crossovers``, the crossover table after it."""
-    text = _markdown(rows, COLUMNS)
+    """The rows' table; with ``crossovers``, the crossover table after it (:mod:`refusion.experiments.tables`)."""
+    from refusion.experiments.tables import cells, markdown
+
+    text = markdown([h for _, h in COLUMNS], cells(rows, COLUMNS, _cell))
     if crossovers:
-        text += "\n" + _markdown(list(crossovers), CROSSOVER_COLUMNS)
+        text += "\n" + markdown([h for _, h in CROSSOVER_COLUMNS], cells(list(crossovers), CROSSOVER_COLUMNS, _cell))
     return text
 
 
 def print_table(rows: list[dict[str, Any]], title: str, crossovers: list[dict[str, Any]] = ()) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from refusion.experiments.tables import cells, print_rich
 
-    from refusion.experiments.runner import print_fitted
-
-    console = Console(markup=False)
     for rs, columns, head in ((rows, COLUMNS, title), (crossovers, CROSSOVER_COLUMNS, "crossover against ar")):
-        if not rs:
-            continue
-        table = Table(title=head)
-        for key, name in columns:
-            table.add_column(name, justify="left" if key in ("decoder", "task", "ratios_text") else "right")
-        for r in rs:
-            table.add_row(*(_cell(k, r.get(k)) for k, _ in columns))
-        print_fitted(table, "results.md in the output folder holds every column", console)
+        if rs:
+            print_rich([h for _, h in columns], cells(list(rs), columns, _cell), head,
+                       left=[h for k, h in columns if k in ("decoder", "task", "ratios_text")],
+                       where="results.md in the output folder holds every column")
 
 
 def plot(rows: list[dict[str, Any]], out: Path, crossovers: list[dict[str, Any]] = ()) -> list[Path]:
@@ -291,10 +282,9 @@ def plot(rows: list[dict[str, Any]], out: Path, crossovers: list[dict[str, Any]]
     (bottom, with the line at 1 and each decoder's crossover marked there with its interval, or an arrow at
     its last point when it is still ahead at the largest size), log-2 batch axis,
     one colour per decoder (legend below); writes throughput.png and throughput.svg."""
-    import matplotlib
+    from refusion.experiments.figures import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tasks = sorted({r["task"] for r in rows})
     decoders = list(dict.fromkeys(r["decoder"] for r in rows))
@@ -348,12 +338,7 @@ def plot(rows: list[dict[str, Any]], out: Path, crossovers: list[dict[str, Any]]
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.suptitle("tinybench: decoding throughput vs batch size")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    paths = [out / "throughput.png", out / "throughput.svg"]
-    with matplotlib.rc_context({"svg.hashsalt": "throughput"}):  # the same rows give the same files
-        fig.savefig(paths[0], dpi=130, metadata={"Software": None})
-        fig.savefig(paths[1], metadata={"Date": None})
-    plt.close(fig)
-    return paths
+    return save(fig, out, "throughput")
 
 
 def advantage_ended(rows: list[dict[str, Any]], size: int, baseline: str = "ar") -> bool:
@@ -386,7 +371,7 @@ def run_batching(tasks: list[str], decoders: list[str] | None, sizes: list[int],
     base_runs = bench_runs(cfg, decoders or cfg.decoder_rows, tasks, overrides)
     if batch_aware is not None:
         base_runs = variant_runs(base_runs, load_variants(batch_aware), tasks)
-    inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
+    inputs = {"bench_config": str(bench_config_path(config)), "set": list(overrides),
               "model": list(models), "limit": limit, "batch_sizes": sizes,
               "batch_aware": str(Path(batch_aware).resolve()) if batch_aware is not None else None}
     done: list[int] = []
@@ -415,6 +400,8 @@ def load_records_of(out: Path, runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def add_batching_command(sub) -> None:
+    from refusion.experiments.args import add_machine_args, add_output_args, add_resume_args, add_rows_args
+
     p = sub.add_parser("batch-bench", help="throughput against batch size: each decoder on the same samples at "
                                            "each batch size, and where each falls below ar")
     p.add_argument("--batch-sizes", default=DEFAULT_SIZES,
@@ -423,25 +410,16 @@ def add_batching_command(sub) -> None:
                    help="stop after the first batch size at which every decoder is slower than ar on every task "
                         "(default: on)")
     p.add_argument("--batch-aware", nargs="?", const=str(BATCH_AWARE), default=None, metavar="FILE",
-                   help="also run the batch-aware rows of FILE (default: the shipped configs/batch_aware.yaml): a "
+                   help="also run the batch-aware rows of FILE (default: the shipped configs/bench/batch_aware.yaml): a "
                         "bench row with settings by batch size (batch_schedule) or by live load (draft_budget)")
-    p.add_argument("--tasks", default="arith,code,facts", help="comma-separated tinybench tasks")
-    p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
-    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
-                   help=f"samples per task (default {DEFAULT_LIMIT}; 0: the whole split)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
-    p.add_argument("--out", default="runs/batch-bench",
-                   help="output folder (samples.jsonl, results.json, crossover.json, results.md, throughput.png/.svg)")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
-    p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
-                   help="run DECODER on this model folder or checkpoint name instead of the configured one")
+    add_rows_args(p)
+    add_output_args(p, "runs/batch-bench", "samples.jsonl, results.json, crossover.json, results.md, "
+                    "throughput.png/.svg", DEFAULT_LIMIT, f"default {DEFAULT_LIMIT}; 0: the whole split")
     add_resume_args(p)
     p.add_argument("--time-forwards", action=argparse.BooleanOptionalAction, default=None,
                    help="time every model forward for the fwd %% column (default: on the CPU only; on a GPU it "
                         "adds two synchronisations per forward)")
-    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    add_threads_arg(p)
+    add_machine_args(p)
     p.set_defaults(func=cmd_batching)
 
 

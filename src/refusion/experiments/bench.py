@@ -1,6 +1,6 @@
 """``refusion bench``: every decoder on every tinybench task with its shipped checkpoint.
 
-Each decoder runs on its own model (``configs/bench.yaml``: refusion on tiny-refusion, ar on tiny-ar,
+Each decoder runs on its own model (``configs/bench/bench.yaml``: refusion on tiny-refusion, ar on tiny-ar,
 llada on tiny-mdm, block on tiny-block) with per-task settings chosen on the validation split. The
 engine (``runner.py``) interleaves decoders per sample, records each sample as it finishes and resumes
 with ``--resume``. The config's optional ``runtime:`` mapping (device, dtype, attn_implementation,
@@ -24,11 +24,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from refusion.core.config import ConfigError, apply_overrides
-from refusion.core.threads import add_threads_arg, set_threads
+from refusion.core.threads import set_threads
+from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import Run, check_batch_size, evaluate, print_table, summarize, write_json
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "bench.yaml"
+DEFAULT_CONFIG = CONFIGS_DIR / "bench" / "bench.yaml"
 GOAL_SPEEDUP, GOAL_POINTS = 2.0, 2.0  # the paper's claim: >= 2x AR's tokens/s, accuracy within 2 points of AR's
 
 
@@ -117,8 +118,15 @@ def check_row_overrides(overrides: list[str], rows: list[str]) -> None:
             raise ConfigError(f"--set {item!r}: no row {target!r} is run; rows: {', '.join(rows)}")
 
 
+def bench_config_path(path: str | Path | None = None) -> Path:
+    """The absolute path of the bench config ``path`` names (:func:`load_bench_config`)."""
+    return (find_config(path, "bench", what="bench config") if path else DEFAULT_CONFIG).resolve()
+
+
 def load_bench_config(path: str | Path | None = None) -> BenchConfig:
-    p = Path(path) if path else DEFAULT_CONFIG
+    """The bench config at ``path`` or the shipped one of that name (``llada_b8_picks``); default the shipped
+    ``bench.yaml``."""
+    p = bench_config_path(path)
     try:
         return BenchConfig.model_validate(yaml.safe_load(p.read_text()))
     except Exception as e:  # pydantic or YAML error: name the file
@@ -184,16 +192,14 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Accuracy against tokens/s, one panel per task, one colour per decoder (legend below the panels),
     each point labelled with its TPF in the point's colour, the goal region (>= 2x ar's tokens/s, within
     2 points of ar's accuracy) shaded; writes bench.png and bench.svg."""
-    import matplotlib
+    from refusion.experiments.figures import legend_below, pyplot, save, task_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tasks = sorted({r["task"] for r in rows})
     runs = sorted({r["run"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.9), squeeze=False)
+    fig, axes = task_panels(len(tasks))
     colors = {d: plt.cm.tab10(i) for i, d in enumerate(runs)}
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes, tasks):
         pts = sorted((r for r in rows if r["task"] == task), key=lambda r: -r["accuracy"])
         ar = next((r for r in pts if r["run"] == "ar"), None)
         xhi = max(1.3 * max(r["tokens_per_second"] for r in pts), 2.6 * ar["tokens_per_second"] if ar else 0)
@@ -220,14 +226,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     if any(r["run"] == "ar" for r in rows):
         handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:green", alpha=0.1))
         labels.append(f">= {GOAL_SPEEDUP:g}x ar's tokens/s, accuracy within {GOAL_POINTS:g} points of ar")
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle("tinybench: accuracy vs decoding speed")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    paths = [out / "bench.png", out / "bench.svg"]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
-    return paths
+    legend_below(fig, handles, labels, ncol=len(labels), title="tinybench: accuracy vs decoding speed")
+    return save(fig, out, "bench")
 
 
 def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -277,13 +277,14 @@ def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, o
     cfg = with_models(load_bench_config(config), list(models))
     runs = bench_runs(cfg, decoders or list(cfg.models), tasks, overrides,
                       batch_size if batch_size is not None else cfg.batch_size, seeds=seeds)
-    inputs = {"bench_config": str(Path(config).resolve() if config else DEFAULT_CONFIG), "set": list(overrides),
+    inputs = {"bench_config": str(bench_config_path(config)), "set": list(overrides),
               "model": list(models), "limit": limit, **({"seeds": seeds} if seeds > 1 else {})}
     if jobs > 1:
-        worker_flags = _worker_flags(tasks, decoders, limit, split, config, overrides, runtime, models, batch_size)
-        worker_flags += ["--seeds", str(seeds)] if seeds > 1 else []
+        worker = {"tasks": tasks, "decoders": decoders, "limit": limit, "split": split, "config": config,
+                  "overrides": list(overrides), "runtime": runtime, "models": list(models), "batch_size": batch_size,
+                  "seeds": seeds, "resume": True}  # each worker: run_bench on its share (shard, out set per worker)
         records = _run_workers(runs, tasks, split, limit, out, resume, cfg.runtime.override(runtime), jobs,
-                               worker_flags, rerun_changed, inputs)
+                               worker, rerun_changed, inputs)
     else:
         records = evaluate(runs, tasks, split, limit, out, resume=resume, runtime=cfg.runtime.override(runtime),
                            desc="bench", shard=shard, rerun_changed=rerun_changed, inputs=inputs)
@@ -297,24 +298,14 @@ def run_bench(tasks: list[str], decoders: list[str] | None, limit: int | None, o
     return rows
 
 
-def _worker_flags(tasks: list[str], decoders: list[str] | None, limit: int | None, split: str, config: str | None,
-                  overrides: list[str], runtime: RuntimeOptions | None, models: list[str],
-                  batch_size: int | None) -> list[str]:
-    """The ``refusion bench`` flags that make a worker decode what this run decodes."""
-    flags = ["--tasks", ",".join(tasks), "--split", split, "--threads", "1", "--resume"]
-    flags += ["--decoders", ",".join(decoders)] if decoders else []
-    flags += ["--limit", str(limit)] if limit else []
-    flags += ["--config", str(config)] if config else []
-    flags += [f for o in overrides for f in ("--set", o)] + [f for m in models for f in ("--model", m)]
-    flags += ["--batch-size", str(batch_size)] if batch_size is not None else []
-    return flags + (runtime.as_flags() if runtime else [])
-
-
 def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | None, out: Path, resume: bool,
-                 runtime: RuntimeOptions, jobs: int, worker_flags: list[str], rerun_changed: bool = False,
+                 runtime: RuntimeOptions, jobs: int, worker: dict[str, Any], rerun_changed: bool = False,
                  inputs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``); the joined records. This
-    process checks the folder's manifest and writes it (:func:`~refusion.experiments.manifest.prepare_output`)."""
+    """The bench in ``jobs`` worker processes (sample ``i`` to worker ``i % jobs``), each calling
+    :func:`run_bench` with ``worker``'s arguments on its shard (written to its folder's ``call.json``,
+    :func:`refusion.core.workers.call_command`); the joined records. This process checks the folder's manifest
+    and writes it (:func:`~refusion.experiments.manifest.prepare_output`)."""
+    from refusion.core.workers import call_command
     from refusion.experiments.manifest import prepare_output, run_entries
     from refusion.experiments.runner import check_runs, wanted_records
     from refusion.experiments.sharding import join_records, run_shards, split_records
@@ -328,8 +319,8 @@ def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | Non
     sizes = {t: len(get_task(t).examples(split, limit)) for t in tasks}
     total = sum(sizes[t] if run.limit is None else min(run.limit, sizes[t]) for run in runs for t in tasks)
     split_records(out, jobs)
-    run_shards(out, jobs, lambda k, folder: [sys.executable, "-m", "refusion.cli", "bench", *worker_flags,
-                                             "--out", str(folder), "--shard", f"{k}/{jobs}"], total)
+    run_shards(out, jobs, lambda k, folder: call_command(folder / "call.json", run_bench, {
+        **worker, "out": folder, "shard": (k, jobs)}), total)
     task_order, run_order = {t: i for i, t in enumerate(tasks)}, {r.label: i for i, r in enumerate(runs)}
     records = join_records(out, lambda r: (task_order.get(r["task"], len(tasks)), r["idx"],
                                            run_order.get(r["run"], len(runs))))
@@ -337,47 +328,21 @@ def _run_workers(runs: list[Run], tasks: list[str], split: str, limit: int | Non
 
 
 def add_bench_command(sub) -> None:
+    from refusion.experiments.args import (
+        add_batch_size_arg, add_machine_args, add_output_args, add_resume_args, add_rows_args, add_seeds_arg,
+    )
+
     p = sub.add_parser("bench", help="every decoder on every tinybench task: accuracy and speed table")
-    p.add_argument("--tasks", default="arith,code,facts", help="comma-separated tinybench tasks")
-    p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
-    p.add_argument("--limit", type=int, default=0, help="samples per task (default 0: the whole split, 200 per task)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
-    p.add_argument("--out", default="runs/bench", help="output folder (samples.jsonl, results.json, plots)")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
-                   help="override every row's decoder config, or with ROW: one row's (e.g. refusion:scorer=mean_prob)")
-    p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
-                   help="run DECODER on this model folder or checkpoint name instead of the configured one")
+    add_rows_args(p, row_sets=True)
+    add_output_args(p, "runs/bench", "samples.jsonl, results.json, plots", 0,
+                    "default 0: the whole split, 200 per task")
     add_resume_args(p)
     add_seeds_arg(p)
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="decode N samples per generate_batch call; tokens/s is then the aggregate throughput "
-                        "(default: the config's batch_size, else 1)")
-    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    add_threads_arg(p)
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="decode in N one-thread worker processes, sample i in worker i mod N, the rows "
-                        "interleaved per sample in each (2 on a 2-core CPU; default 1: this process)")
+    add_batch_size_arg(p, "the config's batch_size, else 1")
+    add_machine_args(p, jobs_help="decode in N one-thread worker processes, sample i in worker i mod N, the rows "
+                                  "interleaved per sample in each (2 on a 2-core CPU; default 1: this process)")
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # K/N: one worker of --jobs N
     p.set_defaults(func=cmd_bench)
-
-
-def add_resume_args(p: argparse.ArgumentParser) -> None:
-    """``--resume`` and ``--rerun-changed``, as every command that decodes into a resumable folder has them."""
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out, skipping finished samples; refused when --out was started with "
-                        "other settings (its manifest.json says which)")
-    p.add_argument("--rerun-changed", action="store_true",
-                   help="resume, keeping the samples of the runs whose settings are unchanged and decoding the "
-                        "changed runs anew")
-
-
-def add_seeds_arg(p: argparse.ArgumentParser, default: int | None = 1, default_help: str = "1") -> None:
-    """``--seeds N``, as every command that compares runs over the same samples has it (the repetitions:
-    :meth:`~refusion.experiments.runner.Run.seed_values`); ``default_help`` says what ``default`` means."""
-    p.add_argument("--seeds", type=int, default=default, metavar="N",
-                   help="decode every sample with N seeds (each run's seed and the next N-1; they differ under "
-                        f"sampling); statistics pool them, runs paired by sample and seed (default {default_help})")
 
 
 def seeds_note(seeds: int) -> str:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from refusion.core import host
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.core.threads import add_threads_arg, set_threads
-from refusion.experiments.bench import DEFAULT_CONFIG, bench_runs, load_bench_config
+from refusion.experiments.bench import bench_config_path, bench_runs, load_bench_config
 
 #: how far under each row's top logit a stand-in's new ids are put (``mask_new_ids``)
 NEW_ID_GAP = 40.0
@@ -71,24 +71,18 @@ def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    from refusion.experiments.tables import cells, markdown
+
     cols = _columns(rows)
-    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(k, r.get(k)) for k, _ in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown([h for _, h in cols], cells(rows, cols, _cell))
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from refusion.experiments.tables import cells, print_rich
 
-    table = Table(title=title)
     cols = _columns(rows)
-    for _, head in cols:
-        table.add_column(head, justify="left" if head in ("decoder", "task") else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(*(_cell(k, r.get(k)) for k, _ in cols))
-    console = Console()
-    Console(width=None if console.is_terminal else 200, markup=False).print(table)  # a file or pipe gets every column whole
+    print_rich([h for _, h in cols], cells(rows, cols, _cell), title, left=("decoder", "task"),
+               where="profile.md in the output folder holds every column")
 
 
 def _row(decoder: str, task: str, model: str, vocab: int, samples: list[dict[str, Any]],
@@ -188,18 +182,15 @@ def profile(tasks: list[str], decoders: list[str] | None = None, limit: int | No
 
 
 def add_profile_command(sub) -> None:
+    from refusion.experiments.args import add_output_args, add_rows_args
+
     p = sub.add_parser("profile", help="where each decoder's time goes: forwards, output-head rows, host syncs")
-    p.add_argument("--tasks", default="arith,code,facts", help="comma-separated tinybench tasks")
-    p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
-    p.add_argument("--limit", type=int, default=5, help="samples per task (default 5)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
+    add_rows_args(p, models=False)
+    add_output_args(p, "runs/profile", "profile.json, profile.md", 5, "default 5")
     p.add_argument("--vocab", type=int, default=None, metavar="N",
                    help="profile stand-ins widened to N vocabulary rows (e.g. 151936, Qwen's) instead of the models")
     p.add_argument("--raw-vocab", action="store_true",
                    help="with --vocab: keep the new ids' logits at 0 (the zero rows' own), not 40 under each row's top")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
-    p.add_argument("--out", default="runs/profile", help="output folder (profile.json, profile.md)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     p.add_argument("--device", default="cpu")
     add_threads_arg(p)
@@ -224,7 +215,7 @@ def cmd_profile(a) -> int:
     cfg = load_bench_config(a.config)
     runs = bench_runs(cfg, decoders or cfg.decoder_rows, tasks, a.set)
     write_manifest(out, build_manifest("profile", run_entries(runs, tasks, a.split, RuntimeOptions(device=a.device)),
-                                       {"bench_config": str(Path(a.config).resolve() if a.config else DEFAULT_CONFIG),
+                                       {"bench_config": str(bench_config_path(a.config)),
                                         "set": a.set, "limit": a.limit, "vocab": a.vocab, "raw_vocab": a.raw_vocab}))
     if a.json:
         print(json.dumps(rows, indent=1))

@@ -22,7 +22,6 @@ latency.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +30,9 @@ from tqdm import tqdm
 
 from refusion.core.config import ConfigError, build_decoder, validate_config
 from refusion.core.threads import set_threads  # noqa: F401  (its old home; commands import it from core.threads)
-from refusion.experiments.records import RecordWriter, load_records
+from refusion.experiments.records import (
+    RecordWriter, SampleRecord, Speed, SummaryRow, SummaryStats, load_records, sample_records,
+)
 from refusion.models.loading import RuntimeOptions
 
 KEY = ("run", "task", "idx")
@@ -62,75 +63,42 @@ class Run:
         return next(iter(self.configs.values()))["decoder"]
 
 
-def decode_share_s(record: dict[str, Any]) -> float:
-    """The decode wall time a record accounts for: its ``wall_s``, or for a record decoded in a chunk of
-    several samples its equal share of the chunk's wall time (``batch_wall_s / batch_samples``), so that
-    the shares of a chunk's records add up to the chunk's wall time."""
-    if record.get("batch_wall_s") is None:
-        return record["wall_s"]
-    return record["batch_wall_s"] / record["batch_samples"]
-
-
-def forward_share_s(record: dict[str, Any]) -> float | None:
-    """The time in model forwards a record accounts for (recorded with ``time_forwards``; else None): its
-    ``forward_s``, or its equal share of its chunk's ``batch_forward_s``."""
-    if record.get("batch_forward_s") is not None:
-        return record["batch_forward_s"] / record["batch_samples"]
-    return record.get("forward_s")
-
-
-def sample_key(record: dict[str, Any]) -> tuple[Any, Any]:
-    """What pairs two runs' records: the sample and, for runs repeated over seeds, the seed."""
-    return record.get("idx"), record.get("seed")
-
-
-def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[dict[str, Any]]:
+def summarize(records: list[dict[str, Any]], runs: list[Run], baseline: str | None = None) -> list[SummaryRow]:
     """One row per (run, task), in run order; ``speedup`` = tokens/s over the baseline run's on that task,
     on the samples both decoded (a run with a ``limit`` is compared on its own samples only). A run
     repeated over seeds (``Run.seeds``) pools every seed's records (``n`` counts them, ``seeds`` says how
-    many) and is paired with the baseline by sample and seed. Tokens/s is
-    total tokens / total decode time (:func:`decode_share_s`: for a batched run the chunks' wall time, so
-    the aggregate throughput), latency the mean per-sample ``wall_s``; a batched run's rows add
-    ``batch_size``."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["run"], r["task"]), []).append(r)
+    many) and is paired with the baseline by sample and seed. The statistics are
+    :class:`~refusion.experiments.records.SummaryStats`: tokens/s is total tokens / total decode time (for
+    a batched run the chunks' wall time, so the aggregate throughput), latency the mean per-sample
+    ``wall_s``; a batched run's rows add ``batch_size``."""
+    groups: dict[tuple[str, str], list[SampleRecord]] = {}
+    for r in sample_records(records):
+        groups.setdefault((r.run, r.task), []).append(r)
     rows = []
     for run in runs:
         for task in sorted({t for (lbl, t) in groups if lbl == run.label}):
             rs = groups[run.label, task]
-            tokens, latency = sum(r["generated_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
-            wall = sum(decode_share_s(r) for r in rs)
-            nfe = sum(r["nfe"] for r in rs)
-            row = {
-                "run": run.label, "task": task, "decoder": run.decoder, "model": run.model, **run.params, "n": len(rs),
-                "accuracy": sum(r["correct"] for r in rs) / len(rs),
-                "tokens_per_second": tokens / wall if wall else 0.0,
-                "tokens_per_second_median": statistics.median(r["generated_tokens"] / r["wall_s"] for r in rs),
-                "tpf": tokens / nfe if nfe else 0.0,
-                "nfe_mean": nfe / len(rs),
-                "latency_s_mean": latency / len(rs),
-                "generated_tokens_mean": tokens / len(rs),
-            }
+            row = {"run": run.label, "task": task, "decoder": run.decoder, "model": run.model, **run.params,
+                   **SummaryStats.of(rs).row()}
             if run.seeds > 1:
                 row["seeds"] = run.seeds
-            sizes = {r.get("batch_size", 1) for r in rs}
+            sizes = {r.batch_size or 1 for r in rs}
             if sizes != {1}:
                 row["batch_size"] = max(sizes)  # one size per (run, task): evaluate refuses to mix them
             rows.append(row)
     for r in rows:
         ref = groups.get((baseline, r["task"]), [])
-        ids = {sample_key(x) for x in groups[r["run"], r["task"]]}
-        ref = [x for x in ref if sample_key(x) in ids] if len(ids) < len(ref) else ref
-        ref_wall = sum(decode_share_s(x) for x in ref)
-        ref_tps = sum(x["generated_tokens"] for x in ref) / ref_wall if ref_wall else 0.0
+        ids = {x.key for x in groups[r["run"], r["task"]]}
+        ref = [x for x in ref if x.key in ids] if len(ids) < len(ref) else ref
+        ref_tps = Speed.of(ref).tokens_per_second
         r["speedup"] = r["tokens_per_second"] / ref_tps if ref_tps else None
     if baseline is not None:
         add_paired_intervals(rows, groups, baseline)
     return rows
 
 
-def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str], list[dict]], baseline: str) -> None:
+def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str], list[SampleRecord]],
+                         baseline: str) -> None:
     """For each row of another run than ``baseline``, on the samples both decoded (matched by ``idx`` and,
     for runs repeated over seeds, ``seed``: a baseline without seeds pairs with every seed of the row):
     ``accuracy_diff`` (this run's accuracy minus the baseline's, with its 95% paired-bootstrap interval,
@@ -140,22 +108,22 @@ def add_paired_intervals(rows: list[dict[str, Any]], groups: dict[tuple[str, str
 
     for row in rows:
         ref = groups.get((baseline, row["task"]))
-        if row["run"] == baseline or not ref or any("idx" not in r for r in ref):
+        if row["run"] == baseline or not ref or any(r.idx is None for r in ref):
             continue  # records without sample ids cannot be paired
-        mine = [r for r in groups[row["run"], row["task"]] if "idx" in r]
-        by_key = {sample_key(r): r for r in ref}
-        pairs = [(by_key[sample_key(m)], m) for m in mine if sample_key(m) in by_key]
+        mine = [r for r in groups[row["run"], row["task"]] if r.idx is not None]
+        by_key = {r.key: r for r in ref}
+        pairs = [(by_key[m.key], m) for m in mine if m.key in by_key]
         if not pairs:  # a baseline decoded once (no seeds): each seed of this run pairs with its sample
-            by_idx = {r["idx"]: r for r in ref if r.get("seed") is None}
-            pairs = [(by_idx[m["idx"]], m) for m in mine if m["idx"] in by_idx]
+            by_idx = {r.idx: r for r in ref if r.seed is None}
+            pairs = [(by_idx[m.idx], m) for m in mine if m.idx in by_idx]
         if not pairs:
             continue
-        acc = paired_accuracy([b["correct"] for b, _ in pairs], [m["correct"] for _, m in pairs])
+        acc = paired_accuracy([b.correct for b, _ in pairs], [m.correct for _, m in pairs])
         row["accuracy_diff"] = {"value": acc.difference.value, "low": acc.difference.low,
                                 "high": acc.difference.high, "p_value": acc.p_value, "n": acc.n,
                                 "only_baseline": acc.only_a, "only_this": acc.only_b}
-        ratio = throughput_ratio([b["generated_tokens"] for b, _ in pairs], [decode_share_s(b) for b, _ in pairs],
-                                 [m["generated_tokens"] for _, m in pairs], [decode_share_s(m) for _, m in pairs])
+        ratio = throughput_ratio([b.generated_tokens for b, _ in pairs], [b.decode_share_s() for b, _ in pairs],
+                                 [m.generated_tokens for _, m in pairs], [m.decode_share_s() for _, m in pairs])
         row["speedup_interval"] = [ratio.low, ratio.high]
 
 
@@ -289,16 +257,14 @@ def evaluate(
                     chunk["forward_s" if run.batch_size == 1 else "batch_forward_s"] = bb.forward_s - fwd0
                 for i, res in zip(idx, results):
                     ex = examples[task.name][i]
-                    rec = {"run": run.label, "task": task.name, "idx": i, **({} if seed is None else {"seed": seed}),
-                           "decoder": run.decoder, "model": run.model,
-                           "config_key": entries[run.label][task.name]["config_key"],
-                           "correct": bool(task.score(ex, res.text)), "generated_tokens": res.stats.generated_tokens,
-                           "nfe": res.stats.nfe, "wall_s": res.stats.wall_s, **chunk, "completion": res.text,
-                           "token_ids": res.token_ids}
-                    if record_tokens_in or res.stats.extra:  # tokens fed in the sample's rows of its forwards
-                        rec["tokens_in"] = res.stats.tokens_in
-                    if res.stats.extra:  # a decoder's own counts (speculative: drafted, accepted, drafter forwards)
-                        rec.update(**res.stats.extra)
+                    counts = res.stats.extra or {}  # a decoder's own counts (speculative: drafted, accepted, ...)
+                    rec = SampleRecord(  # tokens_in: tokens fed in the sample's rows of its forwards
+                        run=run.label, task=task.name, idx=i, seed=seed, decoder=run.decoder, model=run.model,
+                        config_key=entries[run.label][task.name]["config_key"], correct=bool(task.score(ex, res.text)),
+                        generated_tokens=res.stats.generated_tokens, nfe=res.stats.nfe, wall_s=res.stats.wall_s,
+                        **chunk, completion=res.text, token_ids=res.token_ids,
+                        tokens_in=res.stats.tokens_in if record_tokens_in or counts else None,
+                        extra=dict(counts)).to_dict()
                     writer.write(rec)
                     records.append(rec)
                     bar.update()
@@ -317,42 +283,32 @@ def wanted_records(records: list[dict[str, Any]], runs: list[Run], tasks: list[s
     return [r for r in records if (r["run"], r["task"], r.get("seed")) in wanted]
 
 
-def print_fitted(table, where: str, console=None) -> None:
-    """Print a rich ``table``; when its columns do not fit the terminal (rich then squeezes and cuts them),
-    say so on stderr and ``where`` every column can be seen."""
-    import sys
+SUMMARY_COLUMNS = (("n", "n"), ("accuracy", "acc %"), ("tokens_per_second", "tok/s"), ("tpf", "TPF"),
+                   ("nfe_mean", "NFE"), ("latency_s_mean", "latency s"), ("speedup", "speed-up"))
 
-    from rich.console import Console
 
-    from rich.measure import Measurement
+def summary_cell(key: str, value: Any) -> str:
+    """A summary row's cell: accuracy in percent, other numbers to two decimals, nothing as ``-``."""
+    return ("-" if value is None else f"{100 * value:.1f}" if key == "accuracy" else
+            f"{value:.2f}" if isinstance(value, float) else str(value))
 
-    console = console or Console(markup=False)
-    needed = Measurement.get(console, console.options.update_width(100_000), table).maximum
-    console.print(table)
-    if needed > console.width:
-        print(f"note: the table needs {needed} columns and the terminal has {console.width}, so some cells are "
-              f"cut; {where}, or widen the terminal (COLUMNS={needed} also works)", file=sys.stderr)
+
+def _summary_columns(rows: list[dict[str, Any]], extra: list[str]) -> list[tuple[str, str]]:
+    return [("task", "task"), ("run", "run"), *[(k, k) for k in _with_batch(rows, list(extra))], *SUMMARY_COLUMNS]
+
+
+def _batch_default(key: str) -> Any:
+    return 1 if key == "batch_size" else None  # an unbatched row was decoded at batch size 1
 
 
 def print_table(rows: list[dict[str, Any]], title: str, extra: list[str] = (),
                 where: str = "results.json and summary.md in the output folder hold every column") -> None:
-    from rich.console import Console
-    from rich.table import Table
+    """The summary rows in the terminal (:mod:`refusion.experiments.tables`), task by task."""
+    from refusion.experiments.tables import cells, print_rich
 
-    table = Table(title=title)
-    cols = [("task", "task"), ("run", "run"), *[(k, k) for k in _with_batch(rows, list(extra))], ("n", "n"),
-            ("accuracy", "acc %"), ("tokens_per_second", "tok/s"), ("tpf", "TPF"), ("nfe_mean", "NFE"),
-            ("latency_s_mean", "latency s"), ("speedup", "speed-up")]
-    for _, head in cols:
-        table.add_column(head, justify="left" if head in ("task", "run") else "right")
-    for r in sorted(rows, key=lambda r: r["task"]):
-        cells = []
-        for key, _ in cols:
-            v = r.get(key, 1 if key == "batch_size" else None)
-            cells.append("-" if v is None else f"{100 * v:.1f}" if key == "accuracy" else
-                         f"{v:.2f}" if isinstance(v, float) else str(v))
-        table.add_row(*cells)
-    print_fitted(table, where, Console(markup=False))  # run labels print as they are, brackets included
+    cols = _summary_columns(rows, list(extra))
+    body = cells(sorted(rows, key=lambda r: r["task"]), cols, summary_cell, _batch_default)
+    print_rich([h for _, h in cols], body, title, left=("task", "run"), where=where)
 
 
 def _with_batch(rows: list[dict[str, Any]], extra: list[str]) -> list[str]:
@@ -365,25 +321,19 @@ def markdown_table(rows: list[dict[str, Any]], extra: list[str] = ()) -> str:
     """The rows as a markdown table; with paired intervals against a baseline
     (:func:`add_paired_intervals`), two more columns: the accuracy difference in points and the speed-up,
     each with its 95% interval."""
-    extra = _with_batch(rows, list(extra))
-    cols = ["task", "run", *extra, "n", "accuracy", "tokens_per_second", "tpf", "nfe_mean", "latency_s_mean", "speedup"]
-    heads = ["task", "run", *extra, "n", "acc %", "tok/s", "TPF", "NFE", "latency s", "speed-up"]
-    paired = any(r.get("accuracy_diff") for r in rows)
-    if paired:
+    from refusion.experiments.tables import cells, markdown
+
+    cols = _summary_columns(rows, list(extra))
+    heads = [h for _, h in cols]
+    ordered = sorted(rows, key=lambda r: r["task"])
+    body = cells(ordered, cols, summary_cell, _batch_default)
+    if any(r.get("accuracy_diff") for r in rows):
         heads += ["acc vs baseline, points [95%]", "speed-up [95%]"]
-    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    for r in sorted(rows, key=lambda r: r["task"]):
-        cells = []
-        for c in cols:
-            v = r.get(c, 1 if c == "batch_size" else None)
-            cells.append("-" if v is None else f"{100 * v:.1f}" if c == "accuracy" else
-                         f"{v:.2f}" if isinstance(v, float) else str(v))
-        if paired:
+        for r, row_cells in zip(ordered, body):
             d, ci = r.get("accuracy_diff"), r.get("speedup_interval")
-            cells.append(f"{100 * d['value']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" if d else "-")
-            cells.append(f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+            row_cells.append(f"{100 * d['value']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" if d else "-")
+            row_cells.append(f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-")
+    return markdown(heads, body)
 
 
 def write_json(path: Path, rows: list[dict[str, Any]]) -> None:

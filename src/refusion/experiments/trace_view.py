@@ -1,6 +1,6 @@
 """``refusion trace``: decode one prompt with several decoders and draw, iteration by iteration, what each did.
 
-Each decoder runs on the model and with the settings the bench config (``configs/bench.yaml``) gives it
+Each decoder runs on the model and with the settings the bench config (``configs/bench/bench.yaml``) gives it
 for ``--task``; the prompt is that task's sample ``--idx`` or ``--prompt``. Every decode becomes a
 :class:`Lane`: the generation span as one cell per position (its token, the iteration that committed
 it, whether the output keeps it) and one :class:`Step` per iteration, read from the decoder's
@@ -14,6 +14,9 @@ positions.
 side, a shared iteration slider, step and play buttons, each lane's per-iteration details and its final
 text; :func:`build_svg` writes an animated SVG (CSS keyframes, no script) of the output's cells filling
 in, one iteration per beat, for the README. docs/trace.md says how to read both.
+
+Why one module of about 560 lines: the lanes read from the traces, the SVG drawing and the command share
+the :class:`Lane` / :class:`Step` layout (geometry and colours) that only this view uses.
 """
 
 from __future__ import annotations
@@ -306,7 +309,7 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--out", default="trace.html", help="the HTML page to write (default trace.html)")
     p.add_argument("--svg", help="the animated SVG to write (default: --out with the suffix .svg)")
     p.add_argument("--svg-width", type=int, default=56, metavar="CHARS", help="characters per SVG line (default 56)")
-    p.add_argument("--config", help="bench YAML (default: the shipped experiments/configs/bench.yaml)")
+    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
                    help="override every lane's decoder config, or with ROW: one lane's (e.g. refusion:scorer=mean_prob)")
     p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",

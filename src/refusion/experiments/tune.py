@@ -1,9 +1,9 @@
-"""Pick a bench row's per-task settings from a validation-split grid (``tune_refusion.yaml``, ``docs/tune_llada.yaml``).
+"""Pick a bench row's per-task settings from a validation-split grid (``tune_refusion.yaml``, ``tune_llada.yaml``; shipped grids by name).
 
 Rule (docs/bench.md): per task, the fastest run (tokens/s) whose validation accuracy is within
 ``tolerance`` of the baseline's (AR greedy, same run); if none is, the most accurate run (ties: the
 faster). ``python -m refusion.experiments.tune runs/ablate/tune_refusion`` prints the picks and the
-``tasks:`` block to paste into ``configs/bench.yaml``: the grid's shared ``set`` values and the chosen
+``tasks:`` block to paste into ``configs/bench/bench.yaml``: the grid's shared ``set`` values and the chosen
 run's axis values, or, for a run the config names one by one, that run's ``set``.
 """
 

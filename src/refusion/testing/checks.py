@@ -10,6 +10,10 @@ Each ``check_<kind>(cls_or_name, options=None, max_examples=None)`` draws the pa
 else the active hypothesis profile's, 100 by default; the project's test suite registers ``ci`` = 25 and
 ``thorough`` = 1,000). The contracts, kind by kind, are
 listed in :data:`CONTRACTS` and in docs/reliability.md.
+
+Why one module of about 700 lines: each check is a handful of hypothesis properties over shared
+strategies and one error type; the checks are listed together in :data:`CONTRACTS`, as docs/reliability.md
+lists them.
 """
 
 from __future__ import annotations

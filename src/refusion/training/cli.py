@@ -10,8 +10,11 @@
 
 ``--init`` takes a model folder or a shipped checkpoint name; ``scratch`` builds a fresh model of
 ``--size`` with the tinybench tokenizer (``--data tinybench``) or a tokenizer trained on the JSON file.
-``--set key=value`` sets an option of the objective (values parsed as YAML: ``slot_sizes=[4,8]``,
-``block_size=16``, ``eps=0.01``); unknown keys are an error.
+Every flag is a field of :class:`~refusion.training.config.TrainRun` (with ``--recipe``:
+:class:`~refusion.training.config.RecipeConfig`), its default defined there; ``--config FILE`` gives any of
+them from a YAML or TOML file, the flags override it, and ``--set key=value`` overrides both (values parsed
+as YAML). A ``--set`` key that is not a field is an option of the objective (``slot_sizes=[4,8]``,
+``block_size=16``, ``eps=0.01``); unknown options are an error.
 """
 
 from __future__ import annotations
@@ -21,86 +24,46 @@ import json
 import sys
 from typing import Any
 
-import yaml
+from refusion.training.config import RecipeConfig, TrainConfig, TrainRun
 
-TRAIN_THREADS = 2  # torch threads of `refusion train` without --threads (the shipped recipe's)
+TRAIN_THREADS = TrainConfig.model_fields["threads"].default  # torch threads of `refusion train` without --threads
+RUN_FLAGS = [n for n in TrainRun.model_fields if n not in ("threads", "options")]  # threads: --threads N|auto
+RECIPE_FLAGS = [n for n in RecipeConfig.model_fields if n not in TrainRun.model_fields]
 
 
-def parse_sets(items: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+def objective_sets(extra: dict[str, Any]) -> dict[str, Any]:
+    """``--set`` keys of ``refusion train``: a field of :class:`TrainRun` sets it, any other key an option of
+    the objective (``slot_sizes=[4,8]`` is ``options.slot_sizes=[4,8]``)."""
+    out: dict[str, Any] = {k: v for k, v in extra.items() if k in TrainRun.model_fields}
+    options = {k: v for k, v in extra.items() if k not in TrainRun.model_fields}
+    if options:
+        out["options"] = {**out.get("options", {}), **options}
     return out
 
 
 def add_train_command(subparsers: Any) -> None:
-    """Add the ``train`` subcommand (``func=run_train``) to an argparse subparsers object."""
-    from refusion.training.recipe import (
-        DEFAULT_BASE_AR_STEPS, DEFAULT_REFINE_ROUNDS, DEFAULT_REFINE_STEPS, LATE_MIX, LONG_SLOT_SIZES,
-        LONG_SLOTS_FROM_ROUND, MIX_FROM_ROUND,
-    )
+    """Add the ``train`` subcommand (``func=run_train``) to an argparse subparsers object; its flags and their
+    defaults come from :class:`TrainRun` and :class:`RecipeConfig` (training/config.py)."""
+    from refusion.core.flags import add_model_flags, default_text
+    from refusion.core.threads import add_threads_arg
 
     p = subparsers.add_parser("train", help="train a model with one objective, or run the controlled recipe",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--objective", help="ar | refusion | mdm | block (or a plugin's objective)")
-    p.add_argument("--data", default="tinybench",
-                   help="'tinybench', a tinybench mix such as 'tinybench:facts=3' (facts train examples 3 times), "
-                        "or a JSON file of {query, response}")
-    p.add_argument("--init", default="scratch", help="model folder, shipped checkpoint name, or 'scratch'")
-    p.add_argument("--out", required=True, help="output folder (log, resumable state, final model)")
     p.add_argument("--recipe", choices=["tiny"], help="run the controlled pretrain + fine-tune recipe")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
-    p.add_argument("--batch-size", type=int, default=None, help="examples per batch (default 32)")
-    p.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (padded tokens)")
-    p.add_argument("--group-by-length", type=int, default=0, metavar="N",
-                   help="draw N batches at a time and batch them by length, so less padding is computed "
-                        "(the recipe uses 64; default 0: plain shuffled batches)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of steps)")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--size", default="tiny", help="model size for --init scratch (micro, tiny, small)")
-    p.add_argument("--max-length", type=int, default=512, help="drop examples longer than this (tokens)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="objective option")
-    p.add_argument("--grow-layers", type=int, default=None, metavar="N",
-                   help="grow the --init model to N decoder layers first: copies of its layers whose residual "
-                        "writers are zero, so it starts computing exactly what --init computes")
+    p.add_argument("--config", help="YAML or TOML file of settings (fields of TrainRun, or of RecipeConfig with "
+                                     "--recipe); flags and --set override it")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting (values parsed as YAML); a key that is not one is an objective option "
+                        "(--set slot_sizes=[4,8])")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=100)
-    from refusion.core.threads import add_threads_arg
-
+    add_model_flags(p, TrainRun, RUN_FLAGS)
     add_threads_arg(p, default=TRAIN_THREADS)
-    p.add_argument("--device", default="cpu", help="train on this torch device: cpu (default), cuda, cuda:N")
-    p.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager"],
-                   help="attention of the --init / scratch model: sdpa (default) or eager (training keeps float32 "
-                        "weights, so flash attention, which needs 16-bit ones, is not offered; the recipe uses sdpa)")
-    p.add_argument("--pretrain-steps", type=int, default=None, help="recipe: AR pretraining steps (P)")
-    p.add_argument("--finetune-steps", type=int, default=None, help="recipe: fine-tuning steps per objective (F)")
-    p.add_argument("--refine-steps", type=int, default=None,
-                   help="recipe: further steps per objective after F, under a fresh schedule (R; default: the "
-                        f"shipped recipe's, {DEFAULT_REFINE_STEPS})")
-    p.add_argument("--refine-rounds", type=int, default=None,
-                   help="recipe: refine stages per objective, each R steps from the one before (N; default: "
-                        f"the shipped recipe's, {DEFAULT_REFINE_ROUNDS})")
-    p.add_argument("--base-ar-steps", type=int, default=None,
-                   help="recipe: more ar steps on the base, at the fine-tune lr, before the objectives branch "
-                        f"(B; default: the shipped recipe's, {DEFAULT_BASE_AR_STEPS})")
-    p.add_argument("--long-slots-from", type=int, default=None, metavar="ROUND",
-                   help=f"recipe: refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
-                        f"(default {LONG_SLOTS_FROM_ROUND}, once --refine-rounds reaches it; 0: never)")
-    p.add_argument("--mix-from", type=int, default=None, metavar="ROUND",
-                   help=f"recipe: refine round from which every arm trains on {LATE_MIX} (default {MIX_FROM_ROUND}, "
-                        "once --refine-rounds reaches it; 0: never)")
-    p.add_argument("--objectives", default=None, help="recipe: comma-separated objectives (default all four)")
-    p.add_argument("--jobs", type=int, default=1, help="recipe: fine-tune in this many 1-thread worker processes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_flags(p.add_argument_group("recipe (--recipe tiny)"), RecipeConfig, RECIPE_FLAGS, help_prefix="recipe: ")
+    for action in p._actions:  # a flag both modes take, with another default under --recipe: say both
+        name = action.dest
+        if name in RUN_FLAGS and name in RecipeConfig.model_fields and \
+                default_text(RecipeConfig, name) != default_text(TrainRun, name):
+            action.help = action.help[:-1] + f"; with --recipe {default_text(RecipeConfig, name)})"
     p.set_defaults(func=run_train, _parser=p)
 
 
@@ -123,57 +86,66 @@ def scratch_tokenizer(data: str) -> Any:
     return tk.train_tokenizer(tokenizer_training_texts(data))
 
 
-def write_train_manifest(args: argparse.Namespace, threads: int) -> None:
-    """``OUT/manifest.json`` for a training run: the command's settings (every flag), the ``--init`` model's
-    weights hash, machine, packages, threads. A resumed run whose settings differ says which on stderr
-    (``--steps`` may grow on a resume) and the manifest takes the new ones."""
+def write_train_manifest(settings: TrainRun | RecipeConfig, resume: bool) -> None:
+    """``OUT/manifest.json`` for a training run: its settings (every field), the ``--init`` model's weights
+    hash, machine, packages, threads. A resumed run whose settings differ says which on stderr (``--steps``
+    may grow on a resume) and the manifest takes the new ones."""
     from pathlib import Path
 
     from refusion.experiments.manifest import build_manifest, read_manifest, weights_sha256, write_manifest
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "_parser") and not k.startswith("_")}
-    settings["threads"] = threads
-    if args.init != "scratch":
-        settings["init_weights_sha256"] = weights_sha256(args.init)
-    out = Path(args.out)
+    record = settings.model_dump(mode="json")
+    if isinstance(settings, TrainRun) and settings.init != "scratch":
+        record["init_weights_sha256"] = weights_sha256(settings.init)
+    out = Path(settings.out)
     old = read_manifest(out)
-    if args.resume and old is not None:
+    if resume and old is not None:
         before = old.get("inputs", {})
-        changed = [f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(before) | set(settings))
-                   if k not in ("resume", "no_progress") and before.get(k) != settings.get(k)]
+        changed = [f"{k}: {before.get(k)!r} -> {record.get(k)!r}" for k in sorted(set(before) | set(record))
+                   if k != "progress" and before.get(k) != record.get(k)]
         if changed:
             print(f"note: resuming {out} with other settings than it started with: {'; '.join(changed)}",
                   file=sys.stderr)
-    write_manifest(out, build_manifest("train", inputs=json.loads(json.dumps(settings, default=str))))
+    write_manifest(out, build_manifest("train", inputs=record))
+
+
+def train_settings(args: argparse.Namespace) -> TrainRun | RecipeConfig:
+    """The settings of a ``refusion train`` command line: a :class:`RecipeConfig` with ``--recipe``, else a
+    :class:`TrainRun` (defaults < ``--config`` < flags < ``--set``); a flag of the other mode is refused."""
+    from refusion.core.config import ConfigError
+    from refusion.core.flags import flag_of, settings_from_args
+    from refusion.core.threads import resolve_threads
+
+    threads = {"threads": resolve_threads(args.threads, TRAIN_THREADS)} if args.threads is not None else {}
+    model, other = (RecipeConfig, TrainRun) if args.recipe else (TrainRun, RecipeConfig)
+    stray = [n for n in vars(args) if n in other.model_fields and n not in model.model_fields]
+    if stray:
+        flags = ", ".join(flag_of(other, n) for n in stray)
+        raise ConfigError(f"{flags}: {'--objective training' if args.recipe else '--recipe tiny'} only; "
+                          f"{'the recipe sets it per stage' if args.recipe else 'give --recipe tiny'}")
+    return settings_from_args(model, args, config_file=args.config, sets=args.set, fixed=threads,
+                              route_set=None if args.recipe else objective_sets)
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from refusion.core.threads import resolve_threads
+    from refusion.core.config import ConfigError
 
-    args.threads = resolve_threads(args.threads, TRAIN_THREADS)
-    if args.recipe and args.attn_implementation:
-        _error(args, "--attn-implementation applies to --objective training; the recipe trains with sdpa")
-    if args.recipe:
+    try:
+        settings = train_settings(args)
+    except ConfigError as exc:
+        _error(args, str(exc))
+    if isinstance(settings, RecipeConfig):
         from refusion.training.recipe import run_recipe
 
-        objectives = tuple(o.strip() for o in args.objectives.split(",")) if args.objectives else None
-        kw: dict[str, Any] = {}
-        if objectives:
-            kw["objectives"] = objectives
-        if args.batch_size:
-            kw["batch_size"] = args.batch_size
-        for key in ("refine_rounds", "long_slots_from", "mix_from"):  # checked by run_recipe
-            if getattr(args, key) is not None:
-                kw[key] = getattr(args, key)
-        run_recipe(args.out, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps,
-                   refine_steps=args.refine_steps, base_ar_steps=args.base_ar_steps, threads=args.threads,
-                   progress=not args.no_progress, seed=args.seed, jobs=args.jobs, device=args.device,
-                   on_start=lambda: write_train_manifest(args, args.threads), **kw)
+        run_recipe(settings, on_start=lambda: write_train_manifest(settings, args.resume))
         return 0
-    if not args.objective:
+    return train_one(settings, args)
+
+
+def train_one(run: TrainRun, args: argparse.Namespace) -> int:
+    """Train ``run``'s objective (``refusion train --objective``)."""
+    if not run.objective:
         _error(args, "--objective is required (or use --recipe tiny)")
-    if args.group_by_length < 0:
-        _error(args, f"--group-by-length must be 0 (off) or a number of batches, got {args.group_by_length}")
 
     import torch
 
@@ -181,56 +153,46 @@ def run_train(args: argparse.Namespace) -> int:
     from refusion.models.build import build_model, deepen
     from refusion.models.loading import load_pretrained
     from refusion.training.data import load_pairs
-    from refusion.training.trainer import TrainConfig, Trainer
+    from refusion.training.trainer import Trainer, training_device
 
     try:
-        cls = get_registry().get("objective", args.objective)
+        cls = get_registry().get("objective", run.objective)
     except PluginError as exc:
         _error(args, str(exc))
-    if cls.wants_random_batches and args.group_by_length:
-        print(f"note: --group-by-length {args.group_by_length} with objective {args.objective!r}, whose layout depends "
+    if cls.wants_random_batches and run.group_by_length:
+        print(f"note: --group-by-length {run.group_by_length} with objective {run.objective!r}, whose layout depends "
               "on which examples share a batch (EOS padding to the batch's longest response): length-grouped "
               "batches teach it little about where answers end; the recipe trains it with 0", file=sys.stderr)
     try:
-        options = cls.Options(**parse_sets(args.set))
-    except Exception as exc:  # pydantic ValidationError or a bad --set
-        _error(args, f"bad objective options for {args.objective!r}: {exc}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from refusion.training.trainer import training_device
-
+        options = cls.Options(**run.options)
+    except Exception as exc:  # pydantic ValidationError
+        _error(args, f"bad objective options for {run.objective!r}: {exc}")
+    if run.threads:
+        torch.set_num_threads(run.threads)
     try:
-        training_device(args.device)
+        training_device(run.device)
     except ValueError as exc:
         _error(args, f"--{exc}")
 
-    if args.init == "scratch":
-        tokenizer = scratch_tokenizer(args.data)
+    if run.init == "scratch":
+        tokenizer = scratch_tokenizer(run.data)
         objective = cls.from_tokenizer(tokenizer, options)
-        model = build_model(tokenizer, args.size, seed=args.seed,
-                            max_position_embeddings=max(512, args.max_length))
-        if args.attn_implementation:
-            model.set_attn_implementation(args.attn_implementation)
+        model = build_model(tokenizer, run.size, seed=run.seed, max_position_embeddings=max(512, run.max_length))
+        if run.attn_implementation:
+            model.set_attn_implementation(run.attn_implementation)
     else:
-        model, tokenizer = load_pretrained(args.init, attn_implementation=args.attn_implementation)
+        model, tokenizer = load_pretrained(run.init, attn_implementation=run.attn_implementation)
         objective = cls.from_tokenizer(tokenizer, options)
-    if args.grow_layers is not None:
+    if run.grow_layers is not None:
         try:
-            deepen(model, args.grow_layers)
+            deepen(model, run.grow_layers)
         except ValueError as exc:
             _error(args, f"--grow-layers: {exc}")
-    max_len = min(args.max_length, int(getattr(model.config, "max_position_embeddings", args.max_length)))
-    train_pairs = load_pairs(args.data, tokenizer, "train", max_length=max_len, limit=args.limit)
-    val_pairs = load_pairs(args.data, tokenizer, "validation", max_length=max_len)
-    config = TrainConfig(
-        steps=args.steps or 200, batch_size=args.batch_size or 32, max_tokens=args.max_tokens,
-        lr=args.lr or 1e-3, warmup_steps=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-        seed=args.seed, log_every=args.log_every, save_every=args.save_every, eval_every=args.eval_every,
-        threads=args.threads, progress=not args.no_progress, group_by_length=args.group_by_length,
-        device=args.device,
-    )
-    write_train_manifest(args, args.threads)
-    trainer = Trainer(model, tokenizer, objective, train_pairs, config, args.out, val_pairs=val_pairs)
+    max_len = min(run.max_length, int(getattr(model.config, "max_position_embeddings", run.max_length)))
+    train_pairs = load_pairs(run.data, tokenizer, "train", max_length=max_len, limit=run.limit)
+    val_pairs = load_pairs(run.data, tokenizer, "validation", max_length=max_len)
+    write_train_manifest(run, args.resume)
+    trainer = Trainer(model, tokenizer, objective, train_pairs, run.loop_config(), run.out, val_pairs=val_pairs)
     summary = trainer.train(resume=args.resume)
     print(json.dumps({k: summary[k] for k in ("objective", "steps", "train", "eval", "wall_s")}, default=str))
     return 0

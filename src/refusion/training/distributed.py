@@ -46,6 +46,9 @@ Face folder (bf16 safetensors, written by rank 0 from the gathered state dict). 
 the largest difference of a parameter checksum between ranks (0 when DDP kept them synchronised; None under
 FSDP / DeepSpeed); ``summary["weights"]`` says per rank how the initial weights were loaded (dtype, device,
 bytes held) and ``summary["data"]`` which store was used and which rank tokenised it.
+
+Why one module of about 500 lines: the accelerate runtime, the start-up loaders and the entry point
+share the accelerator object and the DeepSpeed configuration it is prepared with.
 """
 
 from __future__ import annotations
@@ -61,16 +64,17 @@ from typing import Any, Sequence
 
 import torch
 
-from refusion.core.objective import Objective, Pair
+from refusion.core.objective import Pair
 from refusion.models.build import record_objective
 from refusion.models.loading import save_tokenizer
-from refusion.training.trainer import Runtime, TrainConfig, Trainer, build_optimizer, lr_lambda
+from refusion.training.config import DistributedRun, TrainConfig
+from refusion.training.trainer import Trainer, TrainingRuntime, build_optimizer, lr_lambda
 
 ACCEL_STATE_DIR = "accelerate_state"
 STORE_DIR = "tokenized"
 #: minutes a rank waits at a collective before the job fails (torch's default is 10 min for NCCL; ranks
 #: wait longer than that while the main process tokenises a large data set or writes the final model)
-DIST_TIMEOUT_MIN = 180
+DIST_TIMEOUT_MIN = DistributedRun.model_fields["dist_timeout"].default
 
 
 def rank_state_file(rank: int) -> str:
@@ -166,7 +170,7 @@ def configure_deepspeed(acc: Any, config: TrainConfig, grad_accum: int) -> dict[
     return cfg
 
 
-class AccelerateRuntime(Runtime):
+class AccelerateRuntime(TrainingRuntime):
     """:class:`~refusion.training.trainer.Trainer`'s steps over the processes of an ``accelerate``
     ``Accelerator``: the model and optimizer go through ``prepare`` (after :func:`configure_deepspeed`), the
     schedule is built on the optimizer ``prepare`` returns and registered for checkpointing; backward, clipping,
@@ -265,20 +269,9 @@ class DistributedTrainer(Trainer):
     """:class:`~refusion.training.trainer.Trainer` over the processes of ``accelerator`` (None: a plain
     ``Accelerator``, on the CPU when there is no GPU)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        objective: Objective,
-        train_pairs: Sequence[Pair],
-        config: TrainConfig,
-        out_dir: str | Path,
-        accelerator: Any = None,
-        val_pairs: Sequence[Pair] | None = None,
-        final_dir: str | Path | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, objective, train_pairs, config, out_dir, val_pairs, final_dir,
-                         runtime=AccelerateRuntime(accelerator))
+    def __init__(self, *args: Any, accelerator: Any = None, **kwargs: Any) -> None:
+        """:class:`~refusion.training.trainer.Trainer`'s arguments, its runtime the accelerator's."""
+        super().__init__(*args, runtime=AccelerateRuntime(accelerator), **kwargs)
         self.accelerator = self.runtime.accelerator
 
 
@@ -408,79 +401,69 @@ def shared_pairs(
 
 
 # ---------------------------------------------------------------------------------------- CLI
+DISTRIBUTED_FLAGS = [n for n in DistributedRun.model_fields if n not in ("options", "progress")]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of :class:`~refusion.training.config.DistributedRun`, each default defined there."""
+    from refusion.core.flags import add_model_flags
+
     p = argparse.ArgumentParser(prog="python -m refusion.training.distributed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--objective", required=True, help="ar | refusion | mdm | block (or a plugin's objective)")
-    p.add_argument("--data", default="tinybench", help="'tinybench' or a JSON file of {query, response}")
-    p.add_argument("--init", required=True, help="model folder, shipped checkpoint name, or 'scratch'")
-    p.add_argument("--size", default="tiny", help="model size for --init scratch")
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs, else 200)")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the training data (sets --steps)")
-    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL examples per optimizer step")
-    p.add_argument("--grad-accum", type=int, default=None,
-                   help="micro-batches per process per step (default: the accelerate config's, else 1)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr (0: to zero)")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--betas", default="0.9,0.95", help="AdamW betas (Hugging Face Trainer default: 0.9,0.999)")
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--max-length", type=int, default=512, help="drop examples longer than this (tokens)")
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="objective option")
-    p.add_argument("--chat-template", action="store_true", help="encode prompts with the tokenizer's chat template")
-    p.add_argument("--data-cache", default=None,
-                   help="folder of token stores, on a filesystem every process sees (default: OUT/tokenized)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
-                   help="(default: the accelerate config's)")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_MIN,
-                   help=f"minutes a process waits at a collective before failing (default {DIST_TIMEOUT_MIN})")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--stop-at", type=int, default=None,
-                   help="stop after this step, saving the state (continue with --resume; the schedule is --steps')")
+    p.add_argument("--config", help="YAML or TOML file of settings (fields of DistributedRun); flags and --set "
+                                    "override it")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting (values parsed as YAML); a key that is not one is an objective option")
+    p.add_argument("--resume", action="store_true", help="continue from OUT's saved state")
+    add_model_flags(p, DistributedRun, DISTRIBUTED_FLAGS)
     return p
+
+
+def distributed_settings(args: argparse.Namespace) -> DistributedRun:
+    """The run's settings: defaults < ``--config`` < flags < ``--set`` (a key that is not a field: an
+    objective option); progress bars off (one per process would interleave)."""
+    from refusion.core.flags import settings_from_args
+
+    def route(extra: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in extra.items() if k in DistributedRun.model_fields}
+        options = {k: v for k, v in extra.items() if k not in DistributedRun.model_fields}
+        return {**out, "options": {**out.get("options", {}), **options}} if options else out
+
+    return settings_from_args(DistributedRun, args, config_file=args.config, sets=args.set, route_set=route,
+                              fixed={"progress": False})
 
 
 def main(argv: list[str] | None = None) -> int:
     from refusion.core.registry import get_registry
     from refusion.models.build import build_model
-    from refusion.training.cli import parse_sets, scratch_tokenizer
+    from refusion.training.cli import scratch_tokenizer
 
     args = build_parser().parse_args(argv)
-    accelerator = make_accelerator(args.grad_accum, args.mixed_precision, args.dist_timeout)
-    cls = get_registry().get("objective", args.objective)
-    options = cls.Options(**parse_sets(args.set))
-    if args.init == "scratch":
-        tokenizer = scratch_tokenizer(args.data)
-        model = build_model(tokenizer, args.size, seed=args.seed, max_position_embeddings=max(512, args.max_length))
+    run = distributed_settings(args)
+    if run.objective is None:
+        raise SystemExit("python -m refusion.training.distributed: error: --objective is required")
+    accelerator = make_accelerator(run.grad_accum, run.mixed_precision, run.dist_timeout)
+    cls = get_registry().get("objective", run.objective)
+    options = cls.Options(**run.options)
+    if run.init == "scratch":
+        tokenizer = scratch_tokenizer(run.data)
+        model = build_model(tokenizer, run.size, seed=run.seed, max_position_embeddings=max(512, run.max_length))
         weights = {"rank": accelerator.process_index, "how": "scratch", **weights_info(model)}
     else:
-        model, tokenizer, weights = load_for_training(args.init, accelerator)
-    if args.gradient_checkpointing:
+        model, tokenizer, weights = load_for_training(run.init, accelerator)
+    if run.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     objective = cls.from_tokenizer(tokenizer, options)
-    max_len = min(args.max_length, int(getattr(model.config, "max_position_embeddings", args.max_length)))
+    max_len = min(run.max_length, int(getattr(model.config, "max_position_embeddings", run.max_length)))
     train_pairs, val_pairs, data_info = shared_pairs(
-        accelerator, args.data_cache or Path(args.out) / STORE_DIR, args.data, tokenizer, max_len,
-        chat=args.chat_template, limit=args.limit)
-    steps = args.steps or (math.ceil(args.epochs * len(train_pairs) / args.batch_size) if args.epochs else 200)
-    config = TrainConfig(
-        steps=steps, batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup,
-        weight_decay=args.weight_decay, betas=tuple(float(b) for b in args.betas.split(",")), grad_clip=args.grad_clip,
-        seed=args.seed, log_every=args.log_every,
-        save_every=args.save_every, eval_every=args.eval_every, threads=args.threads, progress=False,
-    )
-    trainer = DistributedTrainer(model, tokenizer, objective, train_pairs, config, args.out, accelerator=accelerator,
+        accelerator, run.data_cache or Path(run.out) / STORE_DIR, run.data, tokenizer, max_len,
+        chat=run.chat_template, limit=run.limit)
+    if run.epochs and "steps" not in run.model_fields_set:  # --steps, when given, wins over --epochs
+        run = run.model_copy(update={"steps": math.ceil(run.epochs * len(train_pairs) / run.batch_size)})
+    config = run.loop_config()
+    trainer = DistributedTrainer(model, tokenizer, objective, train_pairs, config, run.out, accelerator=accelerator,
                                  val_pairs=val_pairs)
-    summary = trainer.train(resume=args.resume, stop_at=args.stop_at)
+    summary = trainer.train(resume=args.resume, stop_at=run.stop_at)
     ranks = _gather(accelerator, {"weights": weights, "tokenized": data_info["tokenized"]})
     if distributed_kind(accelerator) == "DEEPSPEED":
         ds = accelerator.deepspeed_plugin.deepspeed_config
@@ -492,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                          "tokenized_by_ranks": [i for i, r in enumerate(ranks) if r["tokenized"]]})
     if accelerator.is_main_process:
         print(json.dumps(summary, default=str))
-        (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        (Path(run.out) / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     # A barrier drains gloo's work queue before exit: otherwise the DDP reducer, freed at interpreter
     # teardown with the GIL held, joins gloo's worker thread while that thread waits for the GIL to free
     # the last all-gather's tensors (without it, about half of 2-process CPU runs deadlock).

@@ -44,6 +44,9 @@ the task the hybrid arm learns slowest. Every arm gets the same base, steps, rou
 so the comparison stays controlled. With ``--jobs N`` the fine-tunes and refine rounds run in N one-thread
 worker processes; on 2 CPU cores (``--jobs 2``) the whole recipe takes ~28 h, a one-thread step ~1.2-1.4 s
 for ``ar`` and ``refusion`` and ~2.3-2.5 s for ``block`` and ``mdm``.
+
+Why one module of about 490 lines: its stages share one summary file and one folder layout, which
+:func:`run_recipe`, :func:`adopt_stage`, the fine-tune workers and :func:`report` all read.
 """
 
 from __future__ import annotations
@@ -61,22 +64,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-DEFAULT_PRETRAIN_STEPS = 3600
-DEFAULT_FINETUNE_STEPS = 3000
-DEFAULT_BATCH_SIZE = 32
-PRETRAIN_LR = 2e-3
-FINETUNE_LR = 1e-3
-DEFAULT_REFINE_STEPS = 2400
-DEFAULT_REFINE_ROUNDS = 8
-DEFAULT_BASE_AR_STEPS = 3000
+from refusion.training.config import RecipeConfig
+
+_DEFAULTS = {name: info.default for name, info in RecipeConfig.model_fields.items() if not info.is_required()}
+GROUP_BY_LENGTH = _DEFAULTS["group_by_length"]  # RecipeConfig's defaults (training/config.py)
+LONG_SLOTS_FROM_ROUND, MIX_FROM_ROUND = _DEFAULTS["long_slots_from"], _DEFAULTS["mix_from"]
 REFINE_LR = 5e-4
 REFINE_WARMUP = 100
-GROUP_BY_LENGTH = 64
-LONG_SLOTS_FROM_ROUND = 6
 LONG_SLOT_SIZES = [16, 32]
-MIX_FROM_ROUND = 7
 LATE_MIX = "tinybench:facts=3"
-OBJECTIVES = ("refusion", "ar", "mdm", "block")
 SUMMARY_FILE = "recipe_summary.json"
 STAGE_FILE = "stage.json"
 
@@ -139,31 +135,11 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def run_recipe(
-    out: str | os.PathLike,
-    pretrain_steps: int | None = None,
-    finetune_steps: int | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    size: str = "tiny",
-    objectives: Sequence[str] = OBJECTIVES,
-    pretrain_lr: float = PRETRAIN_LR,
-    finetune_lr: float = FINETUNE_LR,
-    threads: int | None = 2,
-    seed: int = 0,
-    progress: bool = True,
-    group_by_length: int = GROUP_BY_LENGTH,
-    train_limit: int | None = None,
-    jobs: int = 1,
-    device: str = "cpu",
-    refine_steps: int | None = None,
-    base_ar_steps: int | None = None,
-    refine_rounds: int = DEFAULT_REFINE_ROUNDS,
-    long_slots_from: int = LONG_SLOTS_FROM_ROUND,
-    mix_from: int = MIX_FROM_ROUND,
-    on_start: Callable[[], None] | None = None,
-) -> dict[str, Any]:
-    """Run (or continue) the recipe into ``out``; returns the summary written to ``recipe_summary.json``.
-    ``on_start`` is called once the settings are checked, before anything is written.
+def run_recipe(config: RecipeConfig | str | os.PathLike, on_start: Callable[[], None] | None = None,
+               **settings: Any) -> dict[str, Any]:
+    """Run (or continue) the recipe ``config`` (a :class:`RecipeConfig`, or the output folder with
+    ``settings`` as its other fields); returns the summary written to ``recipe_summary.json``. ``on_start`` is
+    called once the settings are checked, before anything is written.
 
     ``jobs > 1`` runs the fine-tunes still to do in that many worker processes of one torch thread each
     (:func:`run_finetune_jobs`), after the pretraining stage; every other setting is the same.
@@ -189,17 +165,19 @@ def run_recipe(
     from refusion.training.data import load_pairs
     from refusion.training.trainer import TrainConfig, Trainer, training_device
 
+    cfg = config if isinstance(config, RecipeConfig) else RecipeConfig(out=str(config), **settings)
+    P, F, R, B = cfg.pretrain_steps, cfg.finetune_steps, cfg.refine_steps, cfg.base_ar_steps
+    batch_size, size, objectives, seed, threads = cfg.batch_size, cfg.size, cfg.objectives, cfg.seed, cfg.threads
+    pretrain_lr, finetune_lr, group_by_length, device = cfg.pretrain_lr, cfg.finetune_lr, cfg.group_by_length, cfg.device
+    refine_rounds, long_slots_from, mix_from = cfg.refine_rounds, cfg.long_slots_from, cfg.mix_from
+    progress, train_limit, jobs = cfg.progress, cfg.train_limit, cfg.jobs
     training_device(device)  # a bad or absent device fails before any work
-    P = pretrain_steps if pretrain_steps is not None else DEFAULT_PRETRAIN_STEPS
-    F = finetune_steps if finetune_steps is not None else DEFAULT_FINETUNE_STEPS
-    R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
-    B = base_ar_steps if base_ar_steps is not None else DEFAULT_BASE_AR_STEPS
     if refine_rounds < 1:
         raise ValueError(f"refine_rounds must be >= 1, got {refine_rounds} (use refine_steps=0 for no refining)")
     _check_from_rounds(long_slots_from, mix_from)
     if on_start is not None:
         on_start()
-    out = Path(out)
+    out = Path(cfg.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     if threads:
@@ -317,8 +295,7 @@ def run_recipe(
         _stage_done(work / s) is None for s in [f"finetune-{name}", *(refine_stage(name, r) for r in range(1, N + 1))])]
     if jobs > 1 and len(todo) > 1:
         log(f"fine-tunes {', '.join(todo)} in {jobs} worker processes (1 thread each; logs in {work}/finetune-*.log)")
-        run_finetune_jobs(out, todo, jobs, P, F, batch_size, seed, train_limit, size, device, R, B, N,
-                          long_slots_from, mix_from)
+        run_finetune_jobs(cfg, todo, jobs)
     for name in objectives:
         summary["stages"][f"finetune-{name}"] = run_stage(f"finetune-{name}", name, base, F, finetune_lr)
         save_summary()
@@ -343,10 +320,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
                "chat_template.jinja")
 
 
-def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size: str = "tiny",
-                batch_size: int = DEFAULT_BATCH_SIZE, refine_steps: int | None = None, seed: int = 0,
-                group_by_length: int = GROUP_BY_LENGTH, long_slots_from: int = LONG_SLOTS_FROM_ROUND,
-                train_limit: int | None = None, mix_from: int = MIX_FROM_ROUND) -> dict:
+def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, **settings: Any) -> dict:
     """Make a finished ``refusion train`` run the recipe's refine ``stage`` (``refine<r>-<obj>``), as if the
     recipe had trained it: the run's saved config and objective options must be the stage's (steps, lr,
     warmup, batch size, data-order seed, batch grouping, options, and the number of training examples of
@@ -354,12 +328,16 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     differs. The caller vouches that the run started from round r - 1's model, which must be done in
     ``out`` and is ``OUT/<size>-<obj>`` now: it is kept in ``OUT/work/<round r - 1>/model`` and the run's
     model becomes ``OUT/<size>-<obj>``. Writes and returns the stage's ``stage.json`` (``adopted_from``:
-    the run)."""
+    the run). ``settings``: the recipe's other fields (:class:`RecipeConfig`: size, batch_size, refine_steps,
+    seed, group_by_length, long_slots_from, mix_from, train_limit)."""
     from transformers import AutoTokenizer
 
     from refusion.plugins.objectives import OBJECTIVES as OBJ_CLASSES
     from refusion.training.data import load_pairs
 
+    cfg = RecipeConfig(out=str(out), **settings)
+    size, batch_size, seed, group_by_length = cfg.size, cfg.batch_size, cfg.seed, cfg.group_by_length
+    long_slots_from, mix_from, train_limit = cfg.long_slots_from, cfg.mix_from, cfg.train_limit
     _check_from_rounds(long_slots_from, mix_from)
     out, run = Path(out), Path(run)
     m = re.fullmatch(r"refine(\d*)-(\w+)", stage)
@@ -377,7 +355,7 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     if missing:
         raise ValueError(f"{run} is not a finished training run: no {', '.join(missing)}")
     state = torch.load(run / "trainer_state.pt", map_location="cpu", weights_only=False)
-    R = refine_steps if refine_steps is not None else DEFAULT_REFINE_STEPS
+    R = cfg.refine_steps
     options = OBJ_CLASSES[name].Options(**(objective_options(name, r, long_slots_from) or {})).model_dump()
     want = {"steps": R, "lr": REFINE_LR, "warmup_steps": refine_warmup(R), "batch_size": batch_size,
             "seed": seed + r, "group_by_length": stage_grouping(name, group_by_length)}
@@ -417,28 +395,19 @@ def adopt_stage(out: str | os.PathLike, stage: str, run: str | os.PathLike, size
     return done
 
 
-def run_finetune_jobs(out: Path, objectives: Sequence[str], jobs: int, pretrain_steps: int, finetune_steps: int,
-                      batch_size: int, seed: int, train_limit: int | None, size: str = "tiny",
-                      device: str = "cpu", refine_steps: int = 0, base_ar_steps: int = 0,
-                      refine_rounds: int = 1, long_slots_from: int = LONG_SLOTS_FROM_ROUND,
-                      mix_from: int = MIX_FROM_ROUND) -> None:
+def run_finetune_jobs(config: RecipeConfig, objectives: Sequence[str], jobs: int) -> None:
     """Fine-tune each of ``objectives`` in its own child recipe, ``jobs`` at a time in one-thread workers
-    (:mod:`refusion.core.workers`), on the finished pretraining; each logs to ``OUT/work/finetune-<obj>.log``
+    (:mod:`refusion.core.workers`), on the finished pretraining; each child receives ``config`` for its one
+    objective as a written file (``OUT/work/finetune-<obj>.call.json``), logs to ``OUT/work/finetune-<obj>.log``
     and writes its stage's ``stage.json`` as the sequential recipe does, and the parent then collects them.
     Raises if a worker fails (see its log)."""
-    from refusion.core.workers import Job, run_jobs
+    from refusion.core import workers
 
-    def cmd(objective: str) -> list[str]:
-        c = [sys.executable, "-m", "refusion.training.recipe", "--out", str(out), "--objectives", objective,
-             "--size", size, "--pretrain-steps", str(pretrain_steps), "--finetune-steps", str(finetune_steps),
-             "--batch-size", str(batch_size), "--threads", "1", "--seed", str(seed), "--device", device,
-             "--refine-steps", str(refine_steps), "--refine-rounds", str(refine_rounds),
-             "--base-ar-steps", str(base_ar_steps), "--long-slots-from", str(long_slots_from),
-             "--mix-from", str(mix_from), "--no-progress"]
-        return c + (["--train-limit", str(train_limit)] if train_limit is not None else [])
-
-    work = [Job(o, cmd(o), out / "work" / f"finetune-{o}.log") for o in objectives]
-    failed = [f"{f.name} (exit {f.returncode}, log {f.log})" for f in run_jobs(work, jobs) if f.returncode]
+    work = Path(config.out) / "work"
+    todo = [workers.call_job(o, run_recipe, {"config": config.model_copy(update={
+        "objectives": (o,), "threads": 1, "jobs": 1, "progress": False})}, work / f"finetune-{o}.call.json",
+        work / f"finetune-{o}.log") for o in objectives]
+    failed = [f"{f.name} (exit {f.returncode}, log {f.log})" for f in workers.run_jobs(todo, jobs) if f.returncode]
     if failed:
         raise RuntimeError("fine-tune worker(s) failed: " + "; ".join(failed))
 
@@ -459,59 +428,52 @@ def report(out: str | os.PathLike) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+RECIPE_FLAGS = list(RecipeConfig.model_fields)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of :class:`RecipeConfig`, each default defined there, and the recipe's actions."""
+    from refusion.core.flags import add_model_flags
+
     p = argparse.ArgumentParser(prog="python -m refusion.training.recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--pretrain-steps", type=int, default=None)
-    p.add_argument("--finetune-steps", type=int, default=None)
-    p.add_argument("--refine-steps", type=int, default=None, help=f"R more steps per objective after F (default {DEFAULT_REFINE_STEPS})")
-    p.add_argument("--refine-rounds", type=int, default=DEFAULT_REFINE_ROUNDS,
-                   help=f"refine stages per objective, each R steps from the one before (default {DEFAULT_REFINE_ROUNDS})")
-    p.add_argument("--base-ar-steps", type=int, default=None,
-                   help=f"B more ar steps on the base, at the fine-tune lr, before the objectives branch (default {DEFAULT_BASE_AR_STEPS})")
-    p.add_argument("--long-slots-from", type=int, default=LONG_SLOTS_FROM_ROUND,
-                   help=f"refine round from which the refusion arm draws slot sizes from {LONG_SLOT_SIZES} "
-                        f"(default {LONG_SLOTS_FROM_ROUND}; 0: never)")
-    p.add_argument("--mix-from", type=int, default=MIX_FROM_ROUND,
-                   help=f"refine round from which every arm trains on {LATE_MIX} (default {MIX_FROM_ROUND}; 0: never)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    p.add_argument("--size", default="tiny", help="model size preset (micro, tiny, small)")
-    p.add_argument("--objectives", default=",".join(OBJECTIVES))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--jobs", type=int, default=1, help="fine-tune in this many 1-thread worker processes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="torch device to train on: cpu (default), cuda, cuda:N")
-    p.add_argument("--train-limit", type=int, default=None, help="use only the first N train pairs (smoke runs)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--config", help="YAML or TOML file of settings (fields of RecipeConfig); flags and --set "
+                                    "override it")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting (values parsed as YAML)")
+    add_model_flags(p, RecipeConfig, RECIPE_FLAGS)
     p.add_argument("--report", action="store_true", help="print OUT's summary as a markdown table and exit")
     p.add_argument("--adopt", metavar="STAGE=RUN", action="append", default=[],
                    help="make the finished `refusion train` run RUN the refine stage STAGE (its settings are "
                         "checked against the stage's), then exit; repeatable, in round order")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from refusion.core.config import ConfigError
+    from refusion.core.flags import settings_from_args
+
+    a = build_parser().parse_args(argv)
     try:
-        return _run_main(a)
-    except ValueError as exc:  # a bad setting, named by run_recipe / adopt_stage (as `refusion train` reports it)
+        if a.report:
+            if not getattr(a, "out", None):
+                raise ConfigError("--report: give --out, the recipe's output folder")
+            print(report(a.out), end="")
+            return 0
+        cfg = settings_from_args(RecipeConfig, a, config_file=a.config, sets=a.set)
+        return _run_main(cfg, a.adopt)
+    except (ValueError, ConfigError) as exc:  # a bad setting, named by run_recipe / adopt_stage
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def _run_main(a: argparse.Namespace) -> int:
-    if a.report:
-        print(report(a.out), end="")
-        return 0
-    for item in a.adopt:
+def _run_main(cfg: RecipeConfig, adopt: list[str]) -> int:
+    for item in adopt:
         stage, _, run = item.partition("=")
-        adopt_stage(a.out, stage, run, size=a.size, batch_size=a.batch_size, refine_steps=a.refine_steps,
-                    seed=a.seed, long_slots_from=a.long_slots_from, train_limit=a.train_limit, mix_from=a.mix_from)
+        adopt_stage(cfg.out, stage, run, **cfg.model_dump(exclude={"out"}))
         print(f"{stage}: adopted {run}")
-    if a.adopt:
+    if adopt:
         return 0
-    run_recipe(a.out, a.pretrain_steps, a.finetune_steps, batch_size=a.batch_size, size=a.size,
-               objectives=tuple(o.strip() for o in a.objectives.split(",") if o.strip()),
-               threads=a.threads, seed=a.seed, progress=not a.no_progress, train_limit=a.train_limit, jobs=a.jobs,
-               device=a.device, refine_steps=a.refine_steps, base_ar_steps=a.base_ar_steps,
-               refine_rounds=a.refine_rounds, long_slots_from=a.long_slots_from, mix_from=a.mix_from)
+    run_recipe(cfg)
     return 0
 
 

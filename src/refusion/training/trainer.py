@@ -5,7 +5,7 @@ indices from the seeded sampler; the process keeps its share (indices ``rank::wo
 ``grad_accum`` micro-batches; each is built (objective noise), moved to the device and back-propagated
 inside the runtime's accumulation context, the optimizer stepping once the gradient is complete; the
 schedule steps once per optimizer step. Metrics are summed over micro-batches, steps and processes and
-logged as means every ``log_every`` steps. A :class:`Runtime` decides where: :class:`LocalRuntime` (the
+logged as means every ``log_every`` steps. A :class:`TrainingRuntime` decides where: :class:`LocalRuntime` (the
 default) is one process on ``config.device`` (``world = grad_accum = 1``); the accelerate runtime
 (:mod:`refusion.training.distributed`: DDP, FSDP2, DeepSpeed) spreads the steps over processes. With one
 process and one micro-batch both compute the same steps.
@@ -29,6 +29,9 @@ Files written to ``out_dir`` (the local runtime's state files; the accelerate ru
 Randomness: batches are drawn from epoch permutations of a ``data`` generator, objective noise from a
 separate ``noise`` generator, both seeded from ``seed`` (noise: ``seed + 1 + rank * NOISE_SEED_STRIDE``)
 and saved in the state.
+
+Why one module of about 550 lines: the sampler, the runtime interface and the loop save and restore one
+resumable state together; split, each would need the others' private fields.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
@@ -51,46 +53,12 @@ from refusion.core.machine import machine
 from refusion.core.objective import Batch, Objective, Pair
 from refusion.models.build import record_objective
 from refusion.models.loading import save_pretrained
+from refusion.training.config import TrainConfig  # noqa: F401  (its old home; the settings live in training.config)
 
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "trainer_weights.safetensors"
 LOG_FILE = "train_log.jsonl"
 NOISE_SEED_STRIDE = 1_000_003  # noise seeds of distributed ranks lie this far apart
-
-
-class TrainConfig(BaseModel):
-    """Optimisation and bookkeeping settings of one training run."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    steps: int = Field(100, ge=1)
-    batch_size: int = Field(16, ge=1)
-    #: token budget per batch (padded input tokens); when set, batches hold as many examples as fit
-    #: (at least one, at most ``batch_size``)
-    max_tokens: int | None = None
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    #: length grouping: draw this many batches' worth of examples, sort them by length, cut them into
-    #: batches and shuffle the batches (less padding; 0 = plain random batches)
-    group_by_length: int = 0
-    #: linear warmup steps (default: 5% of ``steps``, at least 1)
-    warmup_steps: int | None = None
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = Field(10, ge=1)
-    save_every: int = 0  # 0: only at the end
-    eval_every: int = 0  # 0: only at the end (when validation pairs are given)
-    eval_batch_size: int = 64
-    threads: int | None = 2
-    #: torch device the model trains on ("cpu", "cuda", "cuda:1", ...); batches are built on the CPU
-    #: and moved there, so data order and noise do not depend on it
-    device: str = "cpu"
-    progress: bool = True
-
-    def warmup(self) -> int:
-        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
 
 
 def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
@@ -221,7 +189,7 @@ def validation_batch(objective: Objective, val_pairs: Sequence[Pair], config: Tr
     return objective.make_batch(list(val_pairs[: config.eval_batch_size]), gen)
 
 
-class Runtime:
+class TrainingRuntime:
     """Where :class:`Trainer`'s steps run. The defaults are one process's: ``world = grad_accum = 1``, no
     accumulation or mixed-precision context, no collectives. A subclass places the model and optimizer
     (:meth:`setup`) and keeps the resumable state and the final model in its own files."""
@@ -289,7 +257,7 @@ class Runtime:
         return {}
 
 
-class LocalRuntime(Runtime):
+class LocalRuntime(TrainingRuntime):
     """One process on ``device``; the state is ``trainer_state.pt`` + ``trainer_weights.safetensors`` (fp32)."""
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
@@ -344,7 +312,7 @@ class Trainer:
         out_dir: str | os.PathLike,
         val_pairs: Sequence[Pair] | None = None,
         final_dir: str | os.PathLike | None = None,
-        runtime: Runtime | None = None,
+        runtime: TrainingRuntime | None = None,
     ) -> None:
         if not train_pairs:
             raise ValueError("no training pairs")
