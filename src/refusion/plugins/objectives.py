@@ -51,7 +51,7 @@ import math
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from torch import Tensor
 
 from refusion.core.hookspecs import hookimpl
@@ -202,12 +202,7 @@ def _diffusion_loss(logits: Tensor, targets: Targets, n_examples: int) -> Tensor
 class ArObjective(Objective):
     """Next-token prediction on the response tokens (prompt ignored), causal attention."""
 
-    name = "ar"
-    attention = "causal"
-    diffusion = False
-
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    name = "ar"  # causal attention, no [MASK] predictions and no options: Objective's defaults
 
     def make_batch(self, pairs: list[Pair], generator: torch.Generator) -> Batch:
         ids, pos, lab = [], [], []
@@ -250,8 +245,7 @@ class RefusionObjective(Objective):
     attention = "causal"
     diffusion = True
 
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Options(Objective.Options):
         slot_sizes: list[int] = Field(default_factory=lambda: [4, 8, 16, 32])
         eps: float = 1e-3
 
@@ -337,8 +331,7 @@ class MdmObjective(MaskedDiffusionObjective):
     # length-grouped batches (group 64) pad a response with 5.0 EOS on average, random batches with 69.8
     wants_random_batches = True
 
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Options(Objective.Options):
         eps: float = 1e-3
         #: right-pad responses with EOS to the batch's longest response (LLaDA SFT)
         eos_pad: bool = True
@@ -419,8 +412,7 @@ class BlockObjective(MaskedDiffusionObjective):
     attention = "block_causal"
     diffusion = True
 
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Options(Objective.Options):
         block_size: int = Field(default=8, ge=1)
         eps: float = 1e-3
         #: right-pad responses with EOS to a multiple of block_size (every block full)
