@@ -1,6 +1,6 @@
 """The suite's hypothesis profiles reach every contract check: under `ci` (the default) each property of each
 check runs 25 examples, under `thorough` (HYPOTHESIS_PROFILE=thorough) 1,000. A check given no
-max_examples takes the active profile's count (refusion.testing.checks._settings), and a property run
+max_examples takes the active profile's count (refusion.testing.checks.base._settings), and a property run
 under that count runs exactly that many examples."""
 
 import pytest
@@ -36,7 +36,7 @@ def test_every_check_runs_the_active_profiles_examples_per_property(profile, exa
         report.passed += [statement for statement, _, _ in properties]
         return report
 
-    monkeypatch.setattr(checks, "_run", record)
+    monkeypatch.setattr(checks.base, "_run", record)  # every check runs its properties through base._run
     registry = get_registry()
     for kind, check in checks.CHECKS.items():
         check(registry.names(kind)[0])
