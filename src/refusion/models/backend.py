@@ -26,7 +26,8 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from refusion.core import host
 from refusion.core.errors import MaskTokenError
 from refusion.models.loading import resolve_model_path
-from refusion.models.kvcache import DenseCache, OffsetLayer
+from refusion.models.kvcache import DenseCache
+from refusion.models.ragged_forward import OffsetLayer
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 

@@ -15,24 +15,24 @@ decoding loop runs unchanged on either.
   another row's length beyond the padding of the key dimension to the longest row. Crop is a change of
   a host integer; forking, reordering and dropping rows change a host mapping, which the next forward
   applies in one gather over rows. The forwards of several sequences run as one model call
-  (:meth:`RaggedCache.forward`).
+  (:meth:`RaggedCache.forward`); :mod:`refusion.models.ragged_forward` holds its transformers side (the
+  offset cache layer and the per-row output head).
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import Cache, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache
 
 from refusion.core.host import from_host
 from refusion.core.loop import ForwardRequest
 from refusion.core.masks import additive_mask, segment_allowed
+from refusion.models.ragged_forward import (  # noqa: F401  (OffsetLayer: also importable from here)
+    OffsetLayer, grow_columns, head_on_rows, head_per_row_supported, offset_cache)
 
 if TYPE_CHECKING:
     from refusion.models.backend import Backbone
@@ -127,51 +127,6 @@ class DenseCache:
             mask = additive_mask(allowed, bb.model.dtype)[None, None]  # [1, 1, T, past + T]
         kv = None if past == 0 and not request.keep_kv else self.kv
         return bb.forward(ids, pos, kv, keep_kv=request.keep_kv, attn_mask=mask, logits_at=_logits_rows(request.logits_at))
-
-
-class OffsetLayer(DynamicLayer):
-    """One layer of one batched forward over per-row KV buffers ``[R, n_kv_heads, C, head_dim]``: the
-    forward's new KV of row r is written (in place) at columns ``offsets[r] ..`` and every row attends
-    over columns ``0 .. width-1``, its additive mask saying which of them are its keys. Nothing is
-    appended or cropped: which columns hold a row's valid KV is the caller's bookkeeping."""
-
-    def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
-        super().__init__()
-        self.keys, self.values, self.is_initialized = keys, values, True
-        self.offsets, self.past, self.width = offsets, past, width
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        R, H, T, D = key_states.shape
-        index = self.offsets[:, None] + torch.arange(T, device=self.offsets.device)  # [R, T]
-        index = index[:, None, :, None].expand(R, H, T, D)
-        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, index, value_states.to(self.values.dtype))
-        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
-
-    def get_seq_length(self) -> int:
-        return self.past
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.past + query_length, 0
-
-
-def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int) -> Cache:
-    """A transformers cache over per-layer buffers (:class:`OffsetLayer`) for a forward of ``fed`` tokens
-    per row written at columns ``offsets [R] ..`` and attending over columns ``0 .. width-1``; the mask of
-    that forward is ``[R, 1, fed, width]``."""
-    return Cache(layers=[OffsetLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
-
-
-def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
-    """``buffers [R, H, C, D]`` with at least ``capacity`` columns (dim 2), zero-filled beyond the old ones."""
-    if buffers[0].shape[2] >= capacity:
-        return buffers
-    out = []
-    for t in buffers:
-        new = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
-        new[:, :, : t.shape[2]] = t
-        out.append(new)
-    return out
 
 
 class RaggedCache:
@@ -275,8 +230,8 @@ class RaggedCache:
         the row's real ones and never counted (the row's length advances by its real tokens only, and
         only with ``keep_kv``). Each row attends to its cached tokens and to its new tokens as its
         request's :class:`~refusion.core.loop.Attention` says; no real token sees padding. The output
-        head runs on each row's own requested positions only (:func:`_head_on_rows`) when the rows ask
-        for different ones and the model allows it (:func:`head_per_row_supported`), else on the union of
+        head runs on each row's own requested positions only (:func:`~refusion.models.ragged_forward.head_on_rows`) when the rows ask
+        for different ones and the model allows it (:func:`~refusion.models.ragged_forward.head_per_row_supported`), else on the union of
         the requested positions in every row. When the requests cover every row, the buffers end in the
         requests' row order."""
         bb = self.backbone
@@ -316,7 +271,7 @@ class RaggedCache:
         flat = logits = None
         if self._head_per_row and 0 < len(row_of) < len(rows) * len(union):
             # rows ask for different columns: the head runs on each row's own positions only
-            with _head_on_rows(bb.model, from_host(row_of, dev, torch.long)):
+            with head_on_rows(bb.model, from_host(row_of, dev, torch.long)):
                 flat = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
                                   logits_at=from_host(col_of, dev, torch.long))[0]  # [N, V]
         else:
@@ -386,40 +341,6 @@ def _starts(requests: list[ForwardRequest]) -> list[int]:
         out.append(at)
         at += len(req.cache.rows)
     return out
-
-
-def head_per_row_supported(model) -> bool:
-    """Whether a batched forward can run the output head on each row's own positions: the model takes
-    ``logits_to_keep`` (an index tensor of fed positions, applied to the hidden states before the head,
-    as transformers' causal LMs do) and has an output-embedding module (its head) to hook."""
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return False
-    return isinstance(head, torch.nn.Module) and "logits_to_keep" in inspect.signature(type(model).forward).parameters
-
-
-@contextmanager
-def _head_on_rows(model, row_of: Tensor):
-    """Within it, the model's head gets each kept position's hidden state from its own row only.
-
-    The forward is called with ``logits_to_keep`` = the column of each kept (row, column) pair, ``[N]``, so
-    the hidden states reaching the head are ``[R, N, H]`` (every row at every kept column: a gather, no
-    head compute); this pre-hook keeps entry k of row ``row_of[k]`` -> ``[1, N, H]``, so the head computes
-    N rows, not R x N (or R x the union of the columns). The logits come back ``[1, N, V]``. Meanwhile
-    ``model.refusion_logits_rows`` holds ``row_of`` (a hook on the model's output reads which row each
-    logits entry belongs to there: :func:`refusion.testing.models.kept_rows`)."""
-    def pre_hook(module, args):
-        hidden = args[0]  # [R, N, H]
-        return (hidden[row_of, torch.arange(hidden.shape[1], device=hidden.device)][None], *args[1:])
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(pre_hook)
-    model.refusion_logits_rows = row_of
-    try:
-        yield
-    finally:
-        handle.remove()
-        del model.refusion_logits_rows
 
 
 def _pad_right(t: Tensor, width: int, value: int) -> Tensor:

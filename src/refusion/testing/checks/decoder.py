@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from refusion.testing._hypothesis import st
 import refusion.testing.strategies as S
-from refusion.testing.checks import base
+import refusion.testing.checks.base as base
 from refusion.testing.checks.base import CheckReport, _contract, backbone
 
 

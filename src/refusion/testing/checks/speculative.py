@@ -9,7 +9,7 @@ import torch
 
 from refusion.testing._hypothesis import st
 import refusion.testing.strategies as S
-from refusion.testing.checks import base
+import refusion.testing.checks.base as base
 from refusion.testing.checks.base import CheckReport, _contract, _options, _resolve, _unchanged, backbone
 
 

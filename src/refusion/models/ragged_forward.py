@@ -1,0 +1,92 @@
+"""The transformers side of a ragged batch's forward (:class:`~refusion.models.kvcache.RaggedCache`): a cache
+layer that writes each row's new keys and values at that row's own column offset, the buffers it writes into,
+and the output-head hook that computes logits only at each row's own requested positions."""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+
+class OffsetLayer(DynamicLayer):
+    """One layer of one batched forward over per-row KV buffers ``[R, n_kv_heads, C, head_dim]``: the
+    forward's new KV of row r is written (in place) at columns ``offsets[r] ..`` and every row attends
+    over columns ``0 .. width-1``, its additive mask saying which of them are its keys. Nothing is
+    appended or cropped: which columns hold a row's valid KV is the caller's bookkeeping."""
+
+    def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.offsets, self.past, self.width = offsets, past, width
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        R, H, T, D = key_states.shape
+        index = self.offsets[:, None] + torch.arange(T, device=self.offsets.device)  # [R, T]
+        index = index[:, None, :, None].expand(R, H, T, D)
+        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+
+    def get_seq_length(self) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+
+def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int) -> Cache:
+    """A transformers cache over per-layer buffers (:class:`OffsetLayer`) for a forward of ``fed`` tokens
+    per row written at columns ``offsets [R] ..`` and attending over columns ``0 .. width-1``; the mask of
+    that forward is ``[R, 1, fed, width]``."""
+    return Cache(layers=[OffsetLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
+
+
+def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
+    """``buffers [R, H, C, D]`` with at least ``capacity`` columns (dim 2), zero-filled beyond the old ones."""
+    if buffers[0].shape[2] >= capacity:
+        return buffers
+    out = []
+    for t in buffers:
+        new = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+        new[:, :, : t.shape[2]] = t
+        out.append(new)
+    return out
+
+
+def head_per_row_supported(model) -> bool:
+    """Whether a batched forward can run the output head on each row's own positions: the model takes
+    ``logits_to_keep`` (an index tensor of fed positions, applied to the hidden states before the head,
+    as transformers' causal LMs do) and has an output-embedding module (its head) to hook."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    return isinstance(head, torch.nn.Module) and "logits_to_keep" in inspect.signature(type(model).forward).parameters
+
+
+@contextmanager
+def head_on_rows(model, row_of: Tensor):
+    """Within it, the model's head gets each kept position's hidden state from its own row only.
+
+    The forward is called with ``logits_to_keep`` = the column of each kept (row, column) pair, ``[N]``, so
+    the hidden states reaching the head are ``[R, N, H]`` (every row at every kept column: a gather, no
+    head compute); this pre-hook keeps entry k of row ``row_of[k]`` -> ``[1, N, H]``, so the head computes
+    N rows, not R x N (or R x the union of the columns). The logits come back ``[1, N, V]``. Meanwhile
+    ``model.refusion_logits_rows`` holds ``row_of`` (a hook on the model's output reads which row each
+    logits entry belongs to there: :func:`refusion.testing.models.kept_rows`)."""
+    def pre_hook(module, args):
+        hidden = args[0]  # [R, N, H]
+        return (hidden[row_of, torch.arange(hidden.shape[1], device=hidden.device)][None], *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(pre_hook)
+    model.refusion_logits_rows = row_of
+    try:
+        yield
+    finally:
+        handle.remove()
+        del model.refusion_logits_rows
