@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Sequence
 
-from refusion.core.config import ConfigError, decoder_config
+from refusion.core.config import ConfigError, add_decoder_config_args, decoder_config
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -179,11 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt and print the completion with stats")
-    g.add_argument("--model", required=True, help="model folder or shipped checkpoint name")
-    g.add_argument("--decoder", default="", help="registered decoder name (refusion, ar, ...)")
+    add_decoder_config_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--config", help="YAML or TOML decoder config ('-': YAML from standard input)")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("--trace", action="store_true", help="with --json: include the per-iteration trace")
     g.add_argument("--stream", action="store_true",

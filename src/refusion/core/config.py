@@ -254,6 +254,16 @@ def _has_path(value: Any, path: list[str]) -> bool:
     return True
 
 
+def add_decoder_config_args(p: Any, model_required: bool = True) -> None:
+    """``--model`` and the flags :func:`decoder_config` reads (``--decoder``, ``--config``, ``--set``), as
+    ``refusion generate`` and ``refusion serve`` take them (``p``: an argparse parser)."""
+    p.add_argument("--model", required=model_required, help="model folder or shipped checkpoint name")
+    p.add_argument("--decoder", default="", help="registered decoder name (ar, refusion, llada, block, speculative, "
+                                                 "or a plugin's)")
+    p.add_argument("--config", help="YAML or TOML decoder config ('-': YAML from standard input)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+
+
 def decoder_config(decoder: str, config_file: str | None, overrides: list[str]) -> dict[str, Any]:
     """The config mapping from ``--decoder``, ``--config`` and ``--set`` (later ones win)."""
     cfg = load_config_file(config_file) if config_file else {}

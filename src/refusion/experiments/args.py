@@ -1,8 +1,9 @@
-"""The flags the experiment commands share (``bench``, ``batch-bench``, ``profile``, ``ablate``, ``results``).
+"""The flags the experiment commands share (``bench``, ``batch-bench``, ``profile``, ``ablate``, ``results``, ``trace``).
 
 One function adds each group, so that a flag means and defaults the same in every command that has it:
-:func:`add_rows_args` (which rows on which tasks: ``--tasks``, ``--decoders``, ``--split``, ``--config``,
-``--set``, ``--model``), :func:`add_output_args` (``--out``, ``--limit``), :func:`add_resume_args`
+:func:`add_rows_args` (which rows on which tasks: ``--tasks``, ``--decoders``, :func:`add_split_arg`'s
+``--split`` and :func:`add_bench_config_args`' ``--config``, ``--set``, ``--model``; ``trace`` and
+``loadtest`` take those two alone), :func:`add_output_args` (``--out``, ``--limit``), :func:`add_resume_args`
 (``--resume``, ``--rerun-changed``), :func:`add_machine_args` (the runtime flags, ``--threads`` and, where a
 command shards its work, ``--jobs``), :func:`add_batch_size_arg` and :func:`add_seeds_arg`.
 """
@@ -19,16 +20,27 @@ DEVICE_HELP = "cpu, cuda or cuda:N (default: the config's runtime.device, else c
 
 
 def add_rows_args(p: argparse.ArgumentParser, row_sets: bool = False, models: bool = True) -> None:
-    """``--tasks``, ``--decoders``, ``--split``, ``--config`` (the bench YAML), ``--set`` (``row_sets``: also
-    ``ROW:key=value``, one row's) and, with ``models``, ``--model DECODER=FOLDER``."""
+    """``--tasks``, ``--decoders``, ``--split`` and the bench config's flags (:func:`add_bench_config_args`)."""
     p.add_argument("--tasks", default=TASKS, help=f"comma-separated tinybench tasks (default {TASKS})")
     p.add_argument("--decoders", default="", help="comma-separated decoders (default: all configured)")
+    add_split_arg(p)
+    add_bench_config_args(p, row_sets, models)
+
+
+def add_split_arg(p: argparse.ArgumentParser) -> None:
+    """``--split``: the tinybench split whose samples are decoded."""
     p.add_argument("--split", default="test", choices=["validation", "test"])
+
+
+def add_bench_config_args(p: argparse.ArgumentParser, row_sets: bool = False, models: bool = True,
+                          rows: str = "row") -> None:
+    """``--config`` (the bench YAML), ``--set`` (``row_sets``: also ``ROW:key=value``, one row's; ``rows``
+    names what a row is in the help) and, with ``models``, ``--model DECODER=FOLDER``."""
     p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped "
                                     "experiments/configs/bench/bench.yaml)")
     if row_sets:
         p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
-                       help="override every row's decoder config, or with ROW: one row's (e.g. "
+                       help=f"override every {rows}'s decoder config, or with ROW: one {rows}'s (e.g. "
                             "refusion:scorer=mean_prob)")
     else:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every decoder config")

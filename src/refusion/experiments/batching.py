@@ -203,11 +203,11 @@ def crossover_rows(records: list[dict[str, Any]], runs: list[Run], baseline: str
     below 1, with its 95% paired-bootstrap interval (:func:`~refusion.experiments.crossover.crossover_interval`),
     on the samples every one of those runs decoded. [] without the baseline."""
     base = {r.label: (r.label.rsplit("@", 1)[0], r.batch_size) for r in runs}
-    by: dict[tuple[str, str, int], dict[int, dict]] = {}  # (decoder, task, size) -> idx -> record
-    for x in records:
-        if x["run"] in base:
-            decoder, size = base[x["run"]]
-            by.setdefault((decoder, x["task"], size), {})[x["idx"]] = x
+    by: dict[tuple[str, str, int], dict[int, SampleRecord]] = {}  # (decoder, task, size) -> idx -> record
+    for x in sample_records(records):
+        if x.run in base:
+            decoder, size = base[x.run]
+            by.setdefault((decoder, x.task, size), {})[x.idx] = x
     out = []
     decoders = list(dict.fromkeys(d for d, _ in base.values()))
     for task in sorted({t for _, t, _ in by}):
@@ -225,18 +225,15 @@ def crossover_rows(records: list[dict[str, Any]], runs: list[Run], baseline: str
             def grid(who: str, key) -> np.ndarray:  # [sizes, n]
                 return np.array([[key(by[who, task, n][i]) for i in common] for n in sizes], dtype=float)
 
-            tok_a, sec_a = grid(baseline, lambda x: x["generated_tokens"]), grid(baseline, _decode_share_s)
-            tok_b, sec_b = grid(decoder, lambda x: x["generated_tokens"]), grid(decoder, _decode_share_s)
+            tokens, seconds = (lambda x: x.generated_tokens), SampleRecord.decode_share_s
+            tok_a, sec_a = grid(baseline, tokens), grid(baseline, seconds)
+            tok_b, sec_b = grid(decoder, tokens), grid(decoder, seconds)
             ratios = (tok_b.sum(1) / sec_b.sum(1)) / (tok_a.sum(1) / sec_a.sum(1))
             cross = crossover_interval(sizes, tok_a, sec_a, tok_b, sec_b)
             out.append({"decoder": decoder, "task": task, "n": len(common), "batch_sizes": sizes,
                         "ratios": {str(n): float(r) for n, r in zip(sizes, ratios)}, **cross.as_dict(),
                         "ratios_text": ", ".join(f"{n}: {r:.2f}x" for n, r in zip(sizes, ratios))})
     return out
-
-
-def _decode_share_s(record: dict[str, Any]) -> float:
-    return SampleRecord.from_dict(record).decode_share_s()
 
 
 def _cell(key: str, value: Any) -> str:

@@ -88,9 +88,10 @@ class CostModel:
                  "fixed_ragged": ("ms per call, ragged batch", 1e3), "token": ("us per token fed", 1e6),
                  "key": ("ns per key attended over (per row)", 1e9), "pair": ("ns per query-key pair", 1e9),
                  "logit": ("us per logits row", 1e6)}
-        lines = ["| term | value | unit |", "|---|---|---|"]
-        lines += [f"| {name} | {self.coef[name] * units[name][1]:.4g} | {units[name][0]} |" for name in FEATURES]
-        return "\n".join(lines) + "\n"
+        from refusion.experiments.tables import markdown
+
+        return markdown(["term", "value", "unit"],
+                        [[name, f"{self.coef[name] * units[name][1]:.4g}", units[name][0]] for name in FEATURES])
 
 
 def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> CostModel:

@@ -30,7 +30,8 @@ from typing import Any, Sequence
 
 from refusion.core.config import ConfigError
 from refusion.core.types import DecodeResult, IterationTrace
-from refusion.models.loading import RuntimeOptions, add_runtime_args, runtime_from_args
+from refusion.experiments.args import add_bench_config_args, add_machine_args, add_split_arg
+from refusion.models.loading import RuntimeOptions, runtime_from_args
 
 
 @dataclass
@@ -304,20 +305,13 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--task", default="arith", help="tinybench task: the decoders' settings and gen_length, and "
                                                    "the prompt unless --prompt (default arith)")
     p.add_argument("--idx", type=int, default=0, help="the task sample whose query is the prompt (default 0)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
+    add_split_arg(p)
     p.add_argument("--prompt", help="decode this text instead of the task sample (the task still gives the settings)")
     p.add_argument("--out", default="trace.html", help="the HTML page to write (default trace.html)")
     p.add_argument("--svg", help="the animated SVG to write (default: --out with the suffix .svg)")
     p.add_argument("--svg-width", type=int, default=56, metavar="CHARS", help="characters per SVG line (default 56)")
-    p.add_argument("--config", help="bench YAML, or a shipped one's name (default: the shipped experiments/configs/bench/bench.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="[ROW:]KEY=VALUE",
-                   help="override every lane's decoder config, or with ROW: one lane's (e.g. refusion:scorer=mean_prob)")
-    p.add_argument("--model", action="append", default=[], metavar="DECODER=FOLDER",
-                   help="run DECODER on this model folder or checkpoint name instead of the configured one")
-    add_runtime_args(p, device_help="cpu, cuda or cuda:N (default: the config's runtime.device, else cpu)")
-    from refusion.core.threads import add_threads_arg
-
-    add_threads_arg(p)
+    add_bench_config_args(p, row_sets=True, rows="lane")
+    add_machine_args(p)
     p.set_defaults(func=cmd_trace)
 
 

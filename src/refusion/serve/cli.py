@@ -129,17 +129,16 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 def add_serve_commands(sub, add_model_args) -> None:
     """``refusion serve`` and ``refusion loadtest`` on the command line's subparsers; ``add_model_args`` adds
     the runtime flags and ``--trust-remote-code``."""
+    from refusion.core.config import add_decoder_config_args
     from refusion.core.threads import add_threads_arg
+    from refusion.experiments.args import add_split_arg
     from refusion.serve.engine import ADMIT_MIN, ADMIT_WAIT_S
     from refusion.serve.protocol import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (needs .[serve])",
                        description="Serve a model and decoder config over an OpenAI-compatible API: "
                        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (docs/serving.md).")
-    s.add_argument("--model", help="model folder or shipped checkpoint name")
-    s.add_argument("--decoder", default="", help="registered decoder name (ar, refusion, llada, block)")
-    s.add_argument("--config", help="YAML or TOML decoder config ('-': YAML from standard input)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    add_decoder_config_args(s, model_required=False)  # --bench-row gives the model instead
     s.add_argument("--bench-row", help="serve a row of the bench config (its model and settings for --task)")
     s.add_argument("--task", help="with --bench-row: the tinybench task whose settings to serve")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
@@ -177,7 +176,7 @@ def add_serve_commands(sub, add_model_args) -> None:
     t.add_argument("--duration-limit", type=float, default=600.0,
                    help="seconds after which no new request is sent and open ones are cut (default 600)")
     t.add_argument("--task", default="arith", help="tinybench task whose prompts to send (default arith)")
-    t.add_argument("--split", default="test", choices=["validation", "test"])
+    add_split_arg(t)
     t.add_argument("--limit", type=int, default=32, help="distinct prompts of the task, cycled (default 32)")
     t.add_argument("--prompt", help="send this one prompt instead of a task's")
     t.add_argument("--max-tokens", type=int, help="max_tokens of every request (default: the server's gen_length)")
