@@ -53,6 +53,7 @@ from refusion.experiments.config_files import CONFIGS_DIR, find_config
 from refusion.experiments.runner import (
     Run, check_batch_size, evaluate, markdown_table, print_table, summarize, write_json,
 )
+from refusion.experiments.tables import markdown
 from refusion.models.loading import RuntimeOptions, runtime_from_args
 
 
@@ -121,8 +122,8 @@ def schema_markdown() -> str:
     its fields (docs/bench.md holds this text; a test keeps them equal)."""
     out = []
     for model in (AblationConfig, RunSpec, GridSpec, PlotSpec, RuntimeOptions):
-        out += [f"`{model.__name__}`" + (" (the file's top level)" if model is AblationConfig else "") + ":", "",
-                "| field | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"`{model.__name__}`" + (" (the file's top level)" if model is AblationConfig else "") + ":", ""]
+        body = []
         for fname, info in model.model_fields.items():
             if info.is_required():
                 default = "required"
@@ -135,8 +136,8 @@ def schema_markdown() -> str:
             meaning = (info.description or ("as the flag --" + fname.replace("_", "-") + " (docs/gpu.md, runtime options)"
                                             if model is RuntimeOptions else "")).replace("|", "\\|")
             kind = _type_name(info.annotation).replace("|", "\\|")
-            out.append(f"| `{fname}` | `{kind}` | {default} | {meaning} |")
-        out.append("")
+            body.append([f"`{fname}`", f"`{kind}`", default, meaning])
+        out += [*markdown(["field", "type", "default", "meaning"], body).splitlines(), ""]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from refusion.experiments.records import sample_records
+from refusion.experiments.tables import markdown
 
 if TYPE_CHECKING:
     from refusion.experiments.stats import Interval
@@ -394,8 +395,7 @@ def step_table(records: list[dict[str, Any]], labels: list[str]) -> list[str]:
     from refusion.experiments.stats import paired_accuracy, throughput_ratio
 
     by = {(r.run, r.task, r.idx): r for r in sample_records(records)}
-    lines = ["| task | change | acc before -> after % | points [95%] | McNemar p | tokens/s ratio [95%] | TPF before -> after |",
-             "|---|---|---|---|---|---|---|"]
+    body = []
     for task in sorted({t for (_, t, _) in by}):
         for before, after in zip(labels, labels[1:]):
             ids = sorted(i for (run, t, i) in by if run == before and t == task and (after, task, i) in by)
@@ -407,10 +407,11 @@ def step_table(records: list[dict[str, Any]], labels: list[str]) -> list[str]:
                                      [r.generated_tokens for r in b], [r.decode_share_s() for r in b])
             tpf = [sum(r.generated_tokens for r in rs) / max(1, sum(r.nfe for r in rs)) for rs in (a, b)]
             d = acc.difference
-            lines.append(f"| {task} | {after} | {100 * acc.accuracy_a:.1f} -> {100 * acc.accuracy_b:.1f} | "
-                         f"{100 * d.value:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {acc.p_value:.2g} | "
-                         f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] | {tpf[0]:.2f} -> {tpf[1]:.2f} |")
-    return lines
+            body.append([task, after, f"{100 * acc.accuracy_a:.1f} -> {100 * acc.accuracy_b:.1f}",
+                         f"{100 * d.value:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]", f"{acc.p_value:.2g}",
+                         f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]", f"{tpf[0]:.2f} -> {tpf[1]:.2f}"])
+    return markdown(["task", "change", "acc before -> after %", "points [95%]", "McNemar p", "tokens/s ratio [95%]",
+                     "TPF before -> after"], body).splitlines()
 
 
 def versus_table(rows: Rows, records: list[Any], reference: str, prefix: str, lossless: str) -> list[str]:
@@ -418,8 +419,7 @@ def versus_table(rows: Rows, records: list[Any], reference: str, prefix: str, lo
     ``reference`` against it, paired (tokens/s ratio and accuracy difference with 95% intervals, each with
     its verdict by the page's rules). Markdown lines."""
     tokens = {(r.run, r.task, r.idx): r.token_ids for r in sample_records(records)}
-    lines = [f"| task | run | token-identical to {lossless} | {reference}'s tokens/s over it [95%] | speed | "
-             f"{reference}'s accuracy minus it, points [95%] | accuracy |", "|---|---|---|---|---|---|---|"]
+    body = []
     for task, runs in sorted(_by_task(rows).items()):
         for label in sorted(r for r in runs if r.startswith(prefix)):
             ids = [i for (run, t, i) in tokens if run == label and t == task and (lossless, t, i) in tokens]
@@ -428,8 +428,9 @@ def versus_table(rows: Rows, records: list[Any], reference: str, prefix: str, lo
                 continue
             fast, acc, _ = _versus(runs[reference], runs[label])
             ratio, gap = speed_ratio(runs[reference], runs[label]), paired_gap(runs[reference], runs[label])
-            lines.append(f"| {task} | {label} | {same}/{len(ids)} | {_ratio_text(ratio)} | "
-                         f"{'faster' if fast else 'slower' if fast is False else 'inconclusive'} | "
-                         f"{_gap_text(gap).removesuffix(']').replace(' points [', ' [')}] | "
-                         f"{'as accurate' if acc else 'less accurate' if acc is False else 'inconclusive'} |")
-    return lines
+            body.append([task, label, f"{same}/{len(ids)}", _ratio_text(ratio),
+                         "faster" if fast else "slower" if fast is False else "inconclusive",
+                         _gap_text(gap).removesuffix("]").replace(" points [", " [") + "]",
+                         "as accurate" if acc else "less accurate" if acc is False else "inconclusive"])
+    return markdown(["task", "run", f"token-identical to {lossless}", f"{reference}'s tokens/s over it [95%]", "speed",
+                     f"{reference}'s accuracy minus it, points [95%]", "accuracy"], body).splitlines()

@@ -415,17 +415,19 @@ def run_finetune_jobs(config: RecipeConfig, objectives: Sequence[str], jobs: int
 def report(out: str | os.PathLike) -> str:
     """A markdown table of a recipe's ``recipe_summary.json``: wall time, final losses, masked accuracy."""
     summary = json.loads((Path(out) / SUMMARY_FILE).read_text())
-    lines = ["| stage | objective | steps | wall (min) | train loss | val loss | val token acc | val masked acc |",
-             "|---|---|---|---|---|---|---|---|"]
+    from refusion.experiments.tables import markdown
+
+    body = []
     for name, st in summary["stages"].items():
         if "objective" not in st:
             continue
         tr, ev = st.get("train", {}), st.get("eval", {})
         cell = lambda d, k: f"{d[k]:.3f}" if k in d else "-"  # noqa: E731
         acc = ev.get("acc", ev.get("ar_acc"))
-        lines.append(f"| {name} | {st['objective']} | {st['steps']} | {st['wall_s'] / 60:.1f} | {cell(tr, 'loss')} | "
-                     f"{cell(ev, 'loss')} | {'-' if acc is None else f'{acc:.3f}'} | {cell(ev, 'masked_acc')} |")
-    return "\n".join(lines) + "\n"
+        body.append([name, st["objective"], str(st["steps"]), f"{st['wall_s'] / 60:.1f}", cell(tr, "loss"),
+                     cell(ev, "loss"), "-" if acc is None else f"{acc:.3f}", cell(ev, "masked_acc")])
+    return markdown(["stage", "objective", "steps", "wall (min)", "train loss", "val loss", "val token acc",
+                     "val masked acc"], body)
 
 
 RECIPE_FLAGS = list(RecipeConfig.model_fields)
