@@ -39,6 +39,7 @@ from refusion.core.config import build_decoder  # noqa: E402
 from refusion.experiments.bench import bench_runs, load_bench_config  # noqa: E402
 from refusion.experiments.costmodel import FEATURES, fit, forward_call, measure  # noqa: E402
 from refusion.experiments.stats import throughput_ratio  # noqa: E402
+from refusion.experiments.tables import markdown  # noqa: E402
 from refusion.models.backend import Backbone  # noqa: E402
 from refusion.models.tokenizer import encode_prompt  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
@@ -92,6 +93,32 @@ def per_call(mode: str, repeats: int) -> list[dict]:
             for (arm, shape, _), w, c in zip(calls, wall, cpu)]
 
 
+def calls_table(rows: list[dict]) -> str:
+    """One forward's wall and CPU time per shape and arm (Markdown)."""
+    return markdown(["shape (kind, rows, fed, past)", "arm", "wall ms", "CPU ms"],
+                    [[", ".join(map(str, r["shape"])), r["arm"], f"{r['wall_ms']:.2f}", f"{r['cpu_ms']:.2f}"] for r in rows])
+
+
+def decode_table(rows: list[dict]) -> str:
+    """Eager against compiled decodes per decoder and batch size, ratios with their 95% intervals (Markdown)."""
+    return markdown(["decoder", "batch", "samples", "ids differ", "eager tok/s", "compiled tok/s", "compiled / eager [95%]",
+                     "the same in CPU time [95%]"],
+                    [[r["decoder"], str(r["batch_size"]), str(r["samples"]), str(r["ids_differ"]),
+                      f"{r['eager_tokens_per_second']:.0f}", f"{r['compiled_tokens_per_second']:.0f}",
+                      f"{r['ratio']:.2f}x [{r['ratio_low']:.2f}, {r['ratio_high']:.2f}]",
+                      f"{r['cpu_ratio']:.2f}x [{r['cpu_ratio_low']:.2f}, {r['cpu_ratio_high']:.2f}]"] for r in rows])
+
+
+def fit_table(fits: dict) -> str:
+    """The eager and compiled forward cost models' coefficients side by side (Markdown)."""
+    body = []
+    for name in FEATURES:
+        e, c = fits["eager"].coef[name], fits["compiled"].coef[name]
+        scale, unit = (1e3, "ms") if name.startswith("fixed") else (1e6, "us")
+        body.append([name, f"{e * scale:.4g} {unit}", f"{c * scale:.4g} {unit}", f"{(c / e if e else float('nan')):.2f}"])
+    return markdown(["term", "eager", "compiled", "compiled / eager"], body)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decoders", default="ar,refusion,llada,block,spec-diffusion")
@@ -116,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.calls_only:
         rows = per_call(a.mode, a.call_repeats)
         print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "
-              f"{'C++' if a.cpp_wrapper else 'Python'} wrapper)\n| shape (kind, rows, fed, past) | arm | wall ms | CPU ms |"
-              "\n|---|---|---|---|")
-        for r in rows:
-            print(f"| {', '.join(map(str, r['shape']))} | {r['arm']} | {r['wall_ms']:.2f} | {r['cpu_ms']:.2f} |")
+              f"{'C++' if a.cpp_wrapper else 'Python'} wrapper)\n" + calls_table(rows), end="")
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "calls.json").write_text(json.dumps({"mode": a.mode, "cpp_wrapper": a.cpp_wrapper, "rows": rows}, indent=1))
         return 0
@@ -166,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     recompiles = graphs_compiled() - graphs0
 
     rows = []
-    print("\n| decoder | batch | samples | ids differ | eager tok/s | compiled tok/s | compiled / eager [95%] | "
-          "the same in CPU time [95%] |\n|---|---|---|---|---|---|---|---|")
     for r in runs:
         for size in sizes:
             c = got[r.label, size]
@@ -179,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                          "eager_tokens_per_second": rate["eager"], "compiled_tokens_per_second": rate["compiled"],
                          "ratio": ratio.value, "ratio_low": ratio.low, "ratio_high": ratio.high,
                          "cpu_ratio": cpu.value, "cpu_ratio_low": cpu.low, "cpu_ratio_high": cpu.high})
-            print(f"| {r.label} | {size} | {c['samples']} | {c['differ']} | {rate['eager']:.0f} | {rate['compiled']:.0f} | "
-                  f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] | {cpu.value:.2f}x [{cpu.low:.2f}, {cpu.high:.2f}] |")
+    print("\n" + decode_table(rows), end="")
     print(f"\ngraphs compiled during the timed decodes (recompiles): {recompiles}")
     report = {"mode": a.mode, "limit": a.limit, "warm_up_s": warm_s, "graphs_at_warm_up": graphs0,
               "recompiles_timed": recompiles, "rows": rows}
@@ -189,12 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         fits = {arm: fit(measure(bbs[arm, models[0]], repeats=a.repeats, clock=clock), device="cpu, 1 thread",
                          note=f"{models[0]}, {arm}, {a.fit_clock} clock") for arm in arms}
         print(f"\nforward cost model on {models[0]}, eager and compiled ({a.mode}):")
-        print("| term | eager | compiled | compiled / eager |\n|---|---|---|---|")
-        for name in FEATURES:
-            e, c = fits["eager"].coef[name], fits["compiled"].coef[name]
-            scale = 1e3 if name.startswith("fixed") else 1e6
-            unit = "ms" if name.startswith("fixed") else "us"
-            print(f"| {name} | {e * scale:.4g} {unit} | {c * scale:.4g} {unit} | {(c / e if e else float('nan')):.2f} |")
+        print(fit_table(fits), end="")
         print("fit error (median, max): " + ", ".join(
             f"{arm} {100 * f.fit_error['median']:.1f}% / {100 * f.fit_error['max']:.1f}%" for arm, f in fits.items()))
         report["fits"] = {arm: f.as_dict() for arm, f in fits.items()}

@@ -38,6 +38,7 @@ from refusion.experiments.costmodel import (
     EAGER_FIXED_S, GRAPH_FIXED_S, H100, QWEN3_0_6B, DecodeProfile, calibrate_loop, crossover, fit, measure,
     predict_decode, predicted_rates, roofline,
 )
+from refusion.experiments.tables import markdown
 from refusion.models.backend import Backbone
 from refusion.models.tokenizer import encode_prompt
 from refusion.tasks import get_task
@@ -76,6 +77,22 @@ def decode(decoder, prompts: list[list[int]], clock=time.perf_counter) -> tuple[
 def merge(profiles: list[DecodeProfile]) -> DecodeProfile:
     return DecodeProfile([s for p in profiles for s in p.shapes], sum(p.sequence_forwards for p in profiles),
                          sum(p.tokens for p in profiles), sum(p.wall_s for p in profiles))
+
+
+def measured_table(rows: list[dict]) -> str:
+    """Measured against predicted tokens/s per decoder, task and batch size (Markdown)."""
+    return markdown(["decoder", "task", "batch", "measured tok/s", "predicted tok/s", "error",
+                     "fixed share of predicted time", "calls"],
+                    [[r["decoder"], r["task"], str(r["batch_size"]), f"{r['measured_tokens_per_second']:.0f}",
+                      f"{r['predicted_tokens_per_second']:.0f}", f"{100 * r['error']:+.1f}%",
+                      f"{100 * r['fixed_s'] / r['predicted_s']:.0f}%", str(r["calls"])] for r in rows])
+
+
+def predictions_table(table: list[dict], sizes: list[int]) -> str:
+    """Predicted tokens/s over AR's at each batch size and the crossover, per decoder and task (Markdown)."""
+    return markdown(["decoder", "task", *[f"batch {s}" for s in sizes], "crossover"],
+                    [[r["decoder"], r["task"], *[f"{v:.2f}" for v in r["vs_ar"].values()],
+                      str(r["crossover"] or "> " + str(sizes[-1]))] for r in table])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 pred = predict_decode(model, merge(got[r.label, t, size]), loop[r.label])
                 rows.append({"decoder": r.label, "task": t, "batch_size": size, **pred})
     print(f"loop cost per sequence-forward (ms): " + ", ".join(f"{k} {1e3 * v:.3f}" for k, v in loop.items()))
-    print("\n| decoder | task | batch | measured tok/s | predicted tok/s | error | fixed share of predicted time | calls |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['decoder']} | {row['task']} | {row['batch_size']} | {row['measured_tokens_per_second']:.0f} | "
-              f"{row['predicted_tokens_per_second']:.0f} | {100 * row['error']:+.1f}% | "
-              f"{100 * row['fixed_s'] / row['predicted_s']:.0f}% | {row['calls']} |")
+    print("\n" + measured_table(rows), end="")
     worst = max(rows, key=lambda x: abs(x["error"]))
     print(f"\nlargest error: {100 * worst['error']:+.1f}% ({worst['decoder']}, {worst['task']}, batch {worst['batch_size']}); "
           f"{sum(abs(x['error']) <= 0.15 for x in rows)} of {len(rows)} rows within 15%")
@@ -167,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         predictions[where] = table
         if table:
             sizes_shown = list(table[0]["vs_ar"])
-            print(f"\npredicted tokens/s over AR's, {where}\n| decoder | task | " +
-                  " | ".join(f"batch {s}" for s in sizes_shown) + " | crossover |\n|---|---|" + "---|" * (len(sizes_shown) + 1))
-            for row in table:
-                print(f"| {row['decoder']} | {row['task']} | " + " | ".join(f"{v:.2f}" for v in row["vs_ar"].values()) +
-                      f" | {row['crossover'] or '> ' + str(sizes_shown[-1])} |")
+            print(f"\npredicted tokens/s over AR's, {where}\n" + predictions_table(table, sizes_shown), end="")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "cost_model.json").write_text(json.dumps({"model": model.as_dict(), "loop_s": loop, "rows": rows,
                                                        "limit": a.limit, "calibrate": a.calibrate,

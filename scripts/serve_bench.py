@@ -32,6 +32,7 @@ from pathlib import Path
 from refusion.core.config import build_decoder
 from refusion.core.threads import set_threads
 from refusion.experiments.bench import load_bench_config
+from refusion.experiments.tables import markdown
 from refusion.models.backend import Backbone
 from refusion.models.tokenizer import encode_prompt
 from refusion.serve.loadtest import run_loadtest, task_prompts
@@ -107,35 +108,34 @@ def main(argv: list[str] | None = None) -> int:
                         "goal": goal, "server_exit": exit_code, "load_average": os.getloadavg()})
         print(row, json.dumps(results[-1]["rounds"]), f"load average {os.getloadavg()}", flush=True)
         (args.out / "serve_bench.json").write_text(json.dumps(results, indent=1))
-    (args.out / "serve_bench.md").write_text(markdown(results))
-    print(markdown(results))
+    (args.out / "serve_bench.md").write_text(report(results))
+    print(report(results))
     return 0
 
 
-def markdown(results: list[dict]) -> str:
+def report(results: list[dict]) -> str:
+    """The served rows per concurrency level, then each row's offline against served throughput and the goal
+    run (Markdown, :func:`refusion.experiments.tables.markdown`)."""
     def f(v) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
-    lines = ["| row | concurrency | tokens/s | requests/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 / p99 ms | errors |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        for c, t in r["concurrency"].items():
-            lines.append(f"| {r['row']} | {c} | {t['tokens_per_s']:.0f} | {t['requests_per_s']:.2f} | "
-                         + " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")) + " | "
-                         + " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99")) + f" | {sum(t['errors'].values())} |")
-    lines += ["", "| row | offline tok/s at batch 16 (rounds) | served tok/s at concurrency 16 (rounds) | served / offline "
-              "(median) | goal: completed / hung up / errors / lost | differ from offline | batch after | "
-              "RSS MB 1st / 2nd half max |", "|---|---|---|---|---|---|---|---|"]
+    levels = [[r["row"], str(c), f"{t['tokens_per_s']:.0f}", f"{t['requests_per_s']:.2f}",
+               " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")),
+               " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99")), str(sum(t["errors"].values()))]
+              for r in results for c, t in r["concurrency"].items()]
+    goals = []
     for r in results:
         g = r["goal"]
-        offline = ", ".join(f"{x['offline_tokens_per_s']:.0f}" for x in r["rounds"])
-        served = ", ".join(f"{x['served_tokens_per_s']:.0f}" for x in r["rounds"])
-        lines.append(
-            f"| {r['row']} | {offline} | {served} | {r['ratio_median']:.2f} | "
-            f"{g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / {g['delivery']['lost']} | "
-            f"{g['offline']['differ']} of {g['offline']['compared']} | {g['server']['batch_size_after']} | "
-            f"{f(g['server']['rss_mb_first_half_max'])} / {f(g['server']['rss_mb_second_half_max'])} |")
-    return "\n".join(lines) + "\n"
+        goals.append([r["row"], ", ".join(f"{x['offline_tokens_per_s']:.0f}" for x in r["rounds"]),
+                      ", ".join(f"{x['served_tokens_per_s']:.0f}" for x in r["rounds"]), f"{r['ratio_median']:.2f}",
+                      f"{g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / {g['delivery']['lost']}",
+                      f"{g['offline']['differ']} of {g['offline']['compared']}", str(g["server"]["batch_size_after"]),
+                      f"{f(g['server']['rss_mb_first_half_max'])} / {f(g['server']['rss_mb_second_half_max'])}"])
+    return (markdown(["row", "concurrency", "tokens/s", "requests/s", "TTFT p50 / p95 / p99 ms", "ITL p50 / p95 / p99 ms",
+                      "errors"], levels) + "\n" +
+            markdown(["row", "offline tok/s at batch 16 (rounds)", "served tok/s at concurrency 16 (rounds)",
+                      "served / offline (median)", "goal: completed / hung up / errors / lost", "differ from offline",
+                      "batch after", "RSS MB 1st / 2nd half max"], goals))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,17 @@ import time
 import torch
 
 
+def table(rows: list[dict]) -> str:
+    """Per task and method: identical outputs, equal target forwards, forwards and time ours / theirs (Markdown)."""
+    from refusion.experiments.tables import markdown
+
+    return markdown(["task", "method", "identical", "equal target forwards", "target forwards ours / theirs",
+                     "time ours / theirs"],
+                    [[r["task"], r["method"], f"{r['identical']}/{r['n']}", f"{r['equal_target_forwards']}/{r['n']}",
+                      f"{r['target_forwards_ours']} / {r['target_forwards_theirs']}",
+                      f"{r['time_ratio_ours_to_theirs']:.2f}"] for r in rows])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--limit", type=int, default=50, help="test samples per task")
@@ -97,11 +108,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print()
-    print("| task | method | identical | equal target forwards | target forwards ours / theirs | time ours / theirs |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['task']} | {r['method']} | {r['identical']}/{r['n']} | {r['equal_target_forwards']}/{r['n']} | "
-              f"{r['target_forwards_ours']} / {r['target_forwards_theirs']} | {r['time_ratio_ours_to_theirs']:.2f} |")
+    print(table(rows), end="")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
