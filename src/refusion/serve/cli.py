@@ -112,7 +112,7 @@ def _serve_replicas(args: argparse.Namespace, model: str, config: dict, key: str
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    from refusion.serve.loadtest import format_report, run_loadtest, task_prompts
+    from refusion.serve.loadtest import format_report, run_loadtest, task_prompts, verdicts
 
     prompts = [args.prompt] if args.prompt else task_prompts(args.task, args.split, args.limit)
     result = run_loadtest(args.url, prompts, args.concurrency, args.requests, args.duration_limit, args.max_tokens,
@@ -122,8 +122,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
-    bad = sum(result["errors"].values()) or result["not_sent"] or result.get("offline", {}).get("differ")
-    return 1 if bad else 0
+    return 0 if all(met for _, met, _ in verdicts(result)) else 1
 
 
 def add_serve_commands(sub, add_model_args) -> None:

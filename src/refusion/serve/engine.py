@@ -210,7 +210,7 @@ class Engine:
         """``job``'s loop, reporting its commits and stopping when the job is cancelled or times out."""
         generator = torch.Generator(device=job.decoder.backbone.device).manual_seed(job.seed)
         views: set = set()
-        views_before = False  # whether the loop has made a model call yet
+        groups_seen: set = set()  # the request groups the loop has made a model call in
         loop = None
         try:
             loop = job.decoder.batch_loop(job.prompt_ids, generator, self.cache)
@@ -240,9 +240,9 @@ class Engine:
                     continue
                 if isinstance(step, ForwardRequest):
                     views.add(step.cache)
-                    if not views_before and self.separate_prefill:  # its first call: apart from the running batch
+                    if step.group not in groups_seen and self.separate_prefill:  # its first call of the group
+                        groups_seen.add(step.group)  # (its prompt): apart from the running batch's
                         step = dataclasses.replace(step, group=f"admitted:{step.group}")
-                    views_before = True
                 reply = yield step
         except GeneratorExit:
             raise

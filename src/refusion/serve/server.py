@@ -42,7 +42,10 @@ def serve_forever(state: ServeState, host: str, port: int, log_level: str = "inf
     sock = bind(host, port)
     server = make_server(state, log_level=log_level, access_log=log_level == "debug")
     print(f"serving {state.model_name!r} ({state.pool.name}) on http://{host}:{sock.getsockname()[1]}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown: the exit is clean
+        pass
 
 
 class BackgroundServer:
