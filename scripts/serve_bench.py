@@ -10,7 +10,8 @@ the ``--parts`` asked for (default all three):
            concurrency 16 on the same prompts (one request each, a stream that keeps 16 in flight;
            completed tokens / wall time), each side idle while the other runs, interleaved ``--rounds``
            times with the side that goes first alternating; served / offline tokens/s with a
-           paired-bootstrap 95% interval over the rounds (:func:`~refusion.experiments.stats.throughput_ratio`);
+           paired-bootstrap 95% interval over the rounds (:func:`~refusion.experiments.stats.throughput_ratio`),
+           and the same per CPU second (the offline side's process time against the server process's);
 ``table``  ``loadtest`` at each of ``--concurrency`` (``--table-requests`` each): docs/serving.md's table;
 ``goal``   ``--goal-requests`` requests at concurrency 16 with ``--disconnect-fraction`` of the clients
            hanging up mid-stream, every response checked against the offline decode; prints each goal's
@@ -57,40 +58,51 @@ def start_server(row: str, task: str, extra: list[str]) -> tuple[subprocess.Pope
     raise RuntimeError(f"the server of row {row} did not start (exit {proc.wait()})")
 
 
-def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float]:
-    """One batch-bench chunk: (generated tokens, wall seconds) of ``generate_batch`` over ``prompts``."""
-    t0 = time.perf_counter()
+def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float]:
+    """One batch-bench chunk: (generated tokens, wall seconds, CPU seconds) of ``generate_batch`` over
+    ``prompts``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     results = decoder.generate_batch(prompts)
-    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0
+    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]], rounds: int) -> dict:
     """Per round: batch-bench's chunks of 16 over every prompt, and the same prompts served as a stream of
     requests at concurrency 16, the side that goes first alternating (see the module docstring) -> per-round
-    figures and the served / offline ratio with a paired-bootstrap interval over the rounds."""
-    offline_tok, offline_s, served_tok, served_s = [], [], [], []
+    figures and the served / offline ratios with paired-bootstrap intervals over the rounds: of tokens per
+    wall second, and of tokens per CPU second (the offline process's against the server process's, which
+    other work on the machine inflates less)."""
+    rows: list[dict] = []
     for r in range(rounds):
+        row: dict = {}
+
         def offline() -> None:
             chunks = [offline_chunk(decoder, prompts[i: i + 16]) for i in range(0, len(prompts), 16)]
-            offline_tok.append(sum(t for t, _ in chunks))
-            offline_s.append(sum(s for _, s in chunks))
+            row.update(offline_tokens=sum(c[0] for c in chunks), offline_s=sum(c[1] for c in chunks),
+                       offline_cpu_s=sum(c[2] for c in chunks))
 
         def served() -> None:
             rep = run_loadtest(url, queries, 16, len(queries), 1800)
             if rep["errors"] or rep["not_sent"]:
                 raise RuntimeError(f"served round failed: {rep['errors']}, {rep['not_sent']} not sent")
-            served_tok.append(rep["completion_tokens"])
-            served_s.append(rep["wall_s"])
+            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"],
+                       served_cpu_s=rep["server"]["cpu_s"], forward_calls=rep["server"]["forward_calls"])
 
         for side in ((offline, served) if r % 2 == 0 else (served, offline)):
             side()
-    ratio = throughput_ratio(offline_tok, offline_s, served_tok, served_s)
-    return {"rounds": [{"offline_tokens": a, "offline_s": b, "served_tokens": c, "served_s": d}
-                       for a, b, c, d in zip(offline_tok, offline_s, served_tok, served_s)],
-            "offline_tokens_per_s": sum(offline_tok) / sum(offline_s),
-            "served_tokens_per_s": sum(served_tok) / sum(served_s),
-            "ratio": ratio.value, "ratio_low": ratio.low, "ratio_high": ratio.high,
-            "same_tokens": offline_tok == served_tok}
+        rows.append(row)
+        print(f"  round {r}: {json.dumps(row)}, load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    def col(key: str) -> list[float]:
+        return [row[key] for row in rows]
+
+    wall = throughput_ratio(col("offline_tokens"), col("offline_s"), col("served_tokens"), col("served_s"))
+    cpu = throughput_ratio(col("offline_tokens"), col("offline_cpu_s"), col("served_tokens"), col("served_cpu_s"))
+    return {"rounds": rows, "offline_tokens_per_s": sum(col("offline_tokens")) / sum(col("offline_s")),
+            "served_tokens_per_s": sum(col("served_tokens")) / sum(col("served_s")),
+            "ratio": wall.value, "ratio_low": wall.low, "ratio_high": wall.high,
+            "cpu_ratio": cpu.value, "cpu_ratio_low": cpu.low, "cpu_ratio_high": cpu.high,
+            "same_tokens": col("offline_tokens") == col("served_tokens")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,13 +188,16 @@ def markdown(results: list[dict]) -> str:
                              + f" | {sum(t['errors'].values())} |")
         lines.append("")
     if any("ratio" in r for r in results):
-        lines += ["| row | batch-bench tok/s, batch 16 | served tok/s, concurrency 16 | served / batch-bench (95% "
-                  "interval) | rounds | load average before / after |", "|---|---|---|---|---|---|"]
+        lines += ["| row | batch-bench tok/s, batch 16 | served tok/s, concurrency 16 | served / batch-bench, wall "
+                  "(95% interval) | the same per CPU second | rounds | load average before / after |",
+                  "|---|---|---|---|---|---|---|"]
         for r in results:
             if "ratio" in r:
                 x = r["ratio"]
                 lines.append(f"| {r['row']} | {x['offline_tokens_per_s']:.0f} | {x['served_tokens_per_s']:.0f} | "
-                             f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f}) | {len(x['rounds'])} | "
+                             f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f}) | "
+                             f"{x['cpu_ratio']:.2f} ({x['cpu_ratio_low']:.2f} - {x['cpu_ratio_high']:.2f}) | "
+                             f"{len(x['rounds'])} | "
                              f"{load(r)} |")
         lines.append("")
     if any("goal" in r for r in results):

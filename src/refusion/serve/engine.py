@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from refusion.core.loop import Commit, ForwardRequest, LoopSteps, run_loops
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, run_loops, width_split
 from refusion.core.types import LoopOutput
 from refusion.serve.metrics import Metrics, server_metrics
 from refusion.serve.protocol import RequestError
@@ -41,6 +41,15 @@ _ids = itertools.count()
 #: defaults of the admission policy (see :class:`Engine`)
 ADMIT_MIN = 8
 ADMIT_WAIT_S = 0.5
+#: a model call's fixed cost in tokens fed on the CPU (docs/profile.md's cost model of the tiny models: 12 ms
+#: per call, 118 us per token): rows of different widths go in separate calls when that saves more padding
+CALL_COST_TOKENS_CPU = 100.0
+
+
+def default_call_cost_tokens(device) -> float | None:
+    """``call_cost_tokens`` by device: :data:`CALL_COST_TOKENS_CPU` on the CPU; None (one call per request
+    group) elsewhere, where a call's fixed cost outweighs thousands of tokens (docs/gpu.md)."""
+    return CALL_COST_TOKENS_CPU if torch.device(device).type == "cpu" else None
 
 
 class Job:
@@ -71,7 +80,8 @@ class Engine:
     whose :meth:`~refusion.decoders.common.LoopDecoder.new_batch_cache` makes the shared cache."""
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
-                 admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True) -> None:
+                 admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True,
+                 call_cost_tokens: float | None | str = "auto") -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be at least 1, got {max_batch}")
         if max_queue < 0:
@@ -86,6 +96,11 @@ class Engine:
         #: while the batch runs and more requests wait than places are free, admit only when ``admit_min``
         #: places are free (at most the batch) or the oldest waiting request has waited ``admit_wait_s``
         self.admit_min, self.admit_wait_s = min(admit_min, max_batch), admit_wait_s
+        #: rows of one request group in several model calls by width (:func:`~refusion.core.loop.width_split`)
+        #: when a call's fixed cost, in tokens fed, is below the padding saved; None: one call per group
+        self.call_cost_tokens = (default_call_cost_tokens(decoder.backbone.device) if call_cost_tokens == "auto"
+                                 else call_cost_tokens)
+        self._split = None if self.call_cost_tokens is None else width_split(self.call_cost_tokens)
         self.metrics = metrics or server_metrics()
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
@@ -162,7 +177,7 @@ class Engine:
                     return
             self.cache = self.decoder.new_batch_cache()
             try:
-                run_loops([], self.cache, admit=self._admit)
+                run_loops([], self.cache, admit=self._admit, split=self._split)
             except Exception as e:  # a model call failed: fail the batch it served, go on with a fresh cache
                 with self._cond:
                     failed, self._running = list(self._running), set()

@@ -255,6 +255,7 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
             "rss_mb_end": after.get("process_resident_memory_bytes", 0) / 2**20,
             "cancelled_disconnect": delta('refusion_cancelled_total{reason="disconnect"}'),
             "forward_calls": delta("refusion_forward_calls_total"),
+            "cpu_s": delta("process_cpu_seconds_total"),  # the server's CPU time over the run
         },
     }
     if check_offline:
