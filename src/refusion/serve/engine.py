@@ -6,8 +6,10 @@ request joins between forwards and leaves when its loop ends, its cache rows fre
 and nothing queued, ``admit`` blocks until a request arrives. When more requests wait than places are
 free, it admits them in groups (``admit_min`` places free, or the oldest has waited ``admit_wait_s``):
 sequences admitted together share their prompt's model call and stay at similar stages, so fewer rows
-are padded to another's width. A newly admitted sequence's first model call (its prompt) runs apart
-from the running batch's call, which would otherwise pad every row to the prompt's width.
+are padded to another's width. A newly admitted sequence's first model call of each request group (its
+prompt) runs apart from the running batch's call, which would otherwise pad every row to the prompt's
+width; with ``call_cost_tokens`` set (by default on the CPU), every group's rows go in calls of similar
+widths where that saves more padding than a call costs (:func:`~refusion.core.loop.width_split`).
 
 A request is a :class:`Job`. Its loop is wrapped (:meth:`Engine._steps`) so that it reports its commits to
 the job's ``sink`` as they happen and stops early when the job is cancelled (the client disconnected, a
