@@ -47,7 +47,7 @@ def serve_config(args: argparse.Namespace) -> tuple[str, dict]:
         raise ConfigError("--model: give a model folder or shipped checkpoint name (or --bench-row ROW --task TASK)")
     config = decoder_config(args.decoder, args.config, args.set)
     if "decoder" not in config:
-        raise ConfigError("--decoder: give a decoder (ar, refusion, llada, block) or a --config that names one")
+        raise ConfigError("--decoder: give a decoder (ar, refusion, llada, block, speculative) or a --config that names one")
     return args.model, config
 
 
@@ -151,7 +151,7 @@ def add_serve_commands(sub, add_model_args) -> None:
                        description="Serve a model and decoder config over an OpenAI-compatible API: "
                        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (docs/serving.md).")
     s.add_argument("--model", help="model folder or shipped checkpoint name")
-    s.add_argument("--decoder", default="", help="registered decoder name (ar, refusion, llada, block)")
+    s.add_argument("--decoder", default="", help="registered decoder name (ar, refusion, llada, block, speculative)")
     s.add_argument("--config", help="YAML or TOML decoder config ('-': YAML from standard input)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     s.add_argument("--bench-row", help="serve a row of the bench config (its model and settings for --task)")
