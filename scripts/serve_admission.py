@@ -105,7 +105,8 @@ def main() -> None:
     offline()  # warm-up
     for _ in range(args.rounds):
         modes = [("batch-bench@16", offline), ("at once", lambda: engine(1)), ("groups of 8", lambda: engine(8)),
-                 ("groups of 16", lambda: engine(16)), ("at once, prompt in the batch's call", lambda: engine(1, False)),
+                 ("groups of 16", lambda: engine(16)),
+                 ("at once, prompt in the batch's call", lambda: engine(1, False)),
                  ("groups of 8, calls by width", lambda: engine(8, call_cost_tokens=CALL_COST_TOKENS_CPU)),
                  ("16 clients", lambda: engine(8, clients=16)),
                  ("16 clients, calls by width", lambda: engine(8, call_cost_tokens=CALL_COST_TOKENS_CPU, clients=16))]

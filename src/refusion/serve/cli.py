@@ -47,7 +47,8 @@ def serve_config(args: argparse.Namespace) -> tuple[str, dict]:
         raise ConfigError("--model: give a model folder or shipped checkpoint name (or --bench-row ROW --task TASK)")
     config = decoder_config(args.decoder, args.config, args.set)
     if "decoder" not in config:
-        raise ConfigError("--decoder: give a decoder (ar, refusion, llada, block, speculative) or a --config that names one")
+        raise ConfigError("--decoder: give a decoder (ar, refusion, llada, block, speculative) or a --config that "
+                          "names one")
     return args.model, config
 
 
