@@ -54,7 +54,7 @@ from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions, Draft
-from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read, run_loops
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import LoopDecoder, cut_after_eos
 from refusion.models.kvcache import RaggedCache
