@@ -55,3 +55,24 @@ def test_a_decoder_whose_batch_is_its_own_is_refused():
         assert DecoderPool(bb, {"decoder": "speculative", "k": 2}).name == "speculative"
     finally:
         set_registry(None)
+
+
+@pytest.mark.slow
+def test_serve_exits_cleanly_on_sigint():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("uvicorn")
+    proc = subprocess.Popen([sys.executable, "-m", "refusion.cli", "serve", "--model", "tiny-ar", "--decoder", "ar",
+                             "--port", "0", "--threads", "1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout.readline().startswith("serving ")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]

@@ -28,6 +28,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.state.engine.close_intake()
         super().handle_exit(sig, frame)
+        # the signal asked for the graceful shutdown above; uvicorn would raise it again once that is done
+        # (a KeyboardInterrupt out of its event loop, logged as a traceback): the command exits cleanly
+        getattr(self, "_captured_signals", []).clear()
 
 
 def make_server(state: ServeState, log_level: str = "warning", access_log: bool = False) -> _Server:
