@@ -376,7 +376,8 @@ def test_refusion_against_speculative_decoding_is_judged_per_task_against_every_
 
 def test_versus_table_counts_token_identical_samples_and_gives_paired_verdicts():
     rows = [row("arith", "refusion", 0.9, tps=30), row("arith", "spec-diffusion", 0.9, tps=20)]
-    records = [{"run": run, "task": "arith", "idx": i, "token_ids": [1, 3] if (run, i) == ("spec-diffusion", 1) else [1, 2]}
+    records = [{"run": run, "task": "arith", "idx": i, "generated_tokens": 2, "nfe": 2, "wall_s": 0.1,
+                "token_ids": [1, 3] if (run, i) == ("spec-diffusion", 1) else [1, 2]}
                for run in ("ar", "spec-diffusion") for i in range(3)]
     lines = claims.versus_table(rows, records, "refusion", "spec-", "ar")
     assert lines[2] == "| arith | spec-diffusion | 2/3 | 1.50x [1.50, 1.50] | faster | +0.0 [+0.0, +0.0] | as accurate |"

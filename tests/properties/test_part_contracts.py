@@ -49,7 +49,7 @@ def test_every_registered_part_keeps_its_kinds_contract(kind, name):
     proposers draft at most k vocabulary ids and after accept() draft what a fresh proposer drafts; acceptance
     rules accept 0..n drafts row by row, greedy AR's longest matching prefix, sampling within the residual."""
     report = check_part(kind, name)  # a check skips the properties that do not apply (exact caches, sampling rules)
-    assert report.ok and len(report.passed) >= 2
+    assert report.ok and report.passed  # at least one property applies to every part
     assert report.passed == [s for s in CONTRACTS[kind] if s in report.passed]
 
 
