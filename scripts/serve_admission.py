@@ -5,7 +5,12 @@ A bench row's decoder on the task's first 32 test prompts: batch-bench's measure
 requests queued at once, admitting at once (``admit_min`` 1), in groups of 8 and of 16 (``admit_wait_s``
 30: no deadline), and at once with the prompt's call inside the running batch's (``separate_prefill``
 off). Per mode: tokens/s, model calls and tokens fed (padding included); ``--rounds`` interleaved rounds,
-one torch thread.
+one torch thread, with the process's CPU time (which other work on a busy machine inflates less than
+wall time). The admission modes make one model call per request group (``call_cost_tokens`` None, as
+``refusion serve --call-cost-tokens off``): the admission policy alone; then groups of 8 with calls by
+width (``call_cost_tokens`` 100, the CPU default), and 16 clients each sending its next request when its
+answer ends (as ``refusion loadtest --concurrency 16``; default admission), with and without calls by
+width.
 
     python scripts/serve_admission.py --row refusion --rounds 2
 """
@@ -22,7 +27,7 @@ from refusion.core.threads import set_threads
 from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
 from refusion.models.tokenizer import encode_prompt
-from refusion.serve.engine import Engine, Job
+from refusion.serve.engine import CALL_COST_TOKENS_CPU, Engine, Job
 from refusion.tasks import get_task
 
 
@@ -47,38 +52,66 @@ def main() -> None:
             tokens += sum(len(r.token_ids) for r in results)
         return tokens / wall
 
-    def engine(admit_min: int, separate_prefill: bool = True) -> float:
-        e = Engine(decoder, max_batch=16, max_queue=64, admit_min=admit_min, admit_wait_s=30.0,
-                   separate_prefill=separate_prefill)
-        ended, tokens = threading.Semaphore(0), [0]
+    def engine(admit_min: int, separate_prefill: bool = True, call_cost_tokens: float | None = None,
+               clients: int = 0) -> float:
+        """All requests queued at once; or ``clients`` > 0 clients each sending its next request when its
+        previous answer ends (as ``refusion loadtest`` at that concurrency)."""
+        e = Engine(decoder, max_batch=16, max_queue=64, admit_min=admit_min, admit_wait_s=30.0 if not clients
+                   else 0.5, separate_prefill=separate_prefill, call_cost_tokens=call_cost_tokens)
+        tokens, lock, pending = [0], threading.Lock(), iter(prompts)
 
-        def sink(event: tuple) -> None:
-            if event[0] == "commit":
-                tokens[0] += len(event[1])
-            elif event[0] in ("end", "error"):
-                ended.release()
+        def send(prompt: list[int]) -> threading.Event:
+            ended = threading.Event()
+
+            def sink(event: tuple) -> None:
+                if event[0] == "commit":
+                    with lock:
+                        tokens[0] += len(event[1])
+                elif event[0] in ("end", "error"):
+                    ended.set()
+
+            e.submit(Job(prompt, decoder, None, time.perf_counter() + 3600, sink))
+            return ended
+
+        def client() -> None:
+            while True:
+                with lock:
+                    prompt = next(pending, None)
+                if prompt is None:
+                    return
+                send(prompt).wait()
 
         e.start()
         t0 = time.perf_counter()
-        for p in prompts:
-            e.submit(Job(p, decoder, None, time.perf_counter() + 3600, sink))
-        for _ in prompts:
-            ended.acquire()
+        if clients:
+            threads = [threading.Thread(target=client) for _ in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for ended in [send(p) for p in prompts]:
+                ended.wait()
         wall = time.perf_counter() - t0
         e.stop()
         return tokens[0] / wall
 
     def counted(label: str, run) -> str:
-        nfe, fed = bb.nfe, bb.tokens_in
+        nfe, fed, cpu = bb.nfe, bb.tokens_in, time.process_time()
         rate = run()
-        return f"{label} {rate:.0f} tok/s, {bb.nfe - nfe} calls, {bb.tokens_in - fed} tokens fed"
+        return (f"{label} {rate:.0f} tok/s, {bb.nfe - nfe} calls, {bb.tokens_in - fed} tokens fed, "
+                f"{time.process_time() - cpu:.2f} CPU s")
 
     offline()  # warm-up
     for _ in range(args.rounds):
-        print(" | ".join([counted("batch-bench@16", offline), counted("at once", lambda: engine(1)),
-                          counted("groups of 8", lambda: engine(8)), counted("groups of 16", lambda: engine(16)),
-                          counted("at once, prompt in the batch's call", lambda: engine(1, False))]),
-              f"| load average {os.getloadavg()}", flush=True)
+        modes = [("batch-bench@16", offline), ("at once", lambda: engine(1)), ("groups of 8", lambda: engine(8)),
+                 ("groups of 16", lambda: engine(16)),
+                 ("at once, prompt in the batch's call", lambda: engine(1, False)),
+                 ("groups of 8, calls by width", lambda: engine(8, call_cost_tokens=CALL_COST_TOKENS_CPU)),
+                 ("16 clients", lambda: engine(8, clients=16)),
+                 ("16 clients, calls by width", lambda: engine(8, call_cost_tokens=CALL_COST_TOKENS_CPU, clients=16))]
+        print(" | ".join(counted(label, run) for label, run in modes), f"| load average {os.getloadavg()}",
+              flush=True)
 
 
 if __name__ == "__main__":

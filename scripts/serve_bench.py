@@ -1,20 +1,27 @@
 """Served against offline throughput, and the serving goals, per bench row on one tinybench task.
 
 For each row (a decoder on its shipped model with the bench config's settings for the task) this starts
-``refusion serve --bench-row ROW --task TASK --threads 1`` in a subprocess and, from this process:
+``refusion serve --bench-row ROW --task TASK --threads 1`` in a subprocess and, from this process, runs
+the ``--parts`` asked for (default all three):
 
-1. interleaves, ``--rounds`` times, batch-bench's measurement at batch 16 (the task's first ``--limit``
-   prompts in chunks of 16 through ``Decoder.generate_batch`` on one torch thread; tokens/s = generated
-   tokens / summed chunk wall time, as ``refusion batch-bench`` computes it) with ``refusion loadtest`` at
-   concurrency 16 on the same prompts (one request each; tokens/s = completed tokens / wall time), while
-   the other side is idle; the ratio served / offline per round;
-2. runs ``loadtest`` at each of ``--concurrency`` (``--table-requests`` each): the table of docs/serving.md;
-3. runs the goal: ``--goal-requests`` requests at concurrency 16 with ``--disconnect-fraction`` of the
-   clients hanging up mid-stream, every response checked against the offline decode.
+``ratio``  batch-bench's measurement at batch 16 (the task's first ``--limit`` prompts in chunks of 16
+           through ``Decoder.generate_batch`` on one torch thread; tokens/s = generated tokens / summed
+           chunk wall time, as ``refusion batch-bench`` computes it) and ``refusion loadtest`` at
+           concurrency 16 on the same prompts (one request each, a stream that keeps 16 in flight;
+           completed tokens / wall time), each side idle while the other runs, interleaved ``--rounds``
+           times with the side that goes first alternating; served / offline tokens/s with a
+           paired-bootstrap 95% interval over the rounds (:func:`~refusion.experiments.stats.throughput_ratio`),
+           and the same per CPU second (the offline side's process time against the server process's);
+``table``  ``loadtest`` at each of ``--concurrency`` (``--table-requests`` each): docs/serving.md's table;
+``goal``   ``--goal-requests`` requests at concurrency 16 with ``--disconnect-fraction`` of the clients
+           hanging up mid-stream, every response checked against the offline decode; prints each goal's
+           verdict (:func:`~refusion.serve.loadtest.verdicts`).
 
 Writes ``OUT/serve_bench.json`` and ``OUT/serve_bench.md``; prints the load average beside each row.
+The exit code is 1 when a goal is not met.
 
-    python scripts/serve_bench.py --rows ar,refusion,llada,block --task arith --rounds 2 --out runs/serve_bench
+    python scripts/serve_bench.py --rows ar,refusion,llada,block,spec-diffusion --task arith --out runs/serve_bench
+    python scripts/serve_bench.py --rows refusion --parts ratio --rounds 3 --out runs/serve_ratio
 """
 
 from __future__ import annotations
@@ -23,19 +30,19 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from refusion.core.config import build_decoder
 from refusion.core.threads import set_threads
 from refusion.experiments.bench import load_bench_config
-from refusion.experiments.tables import markdown
+from refusion.experiments.stats import throughput_ratio
 from refusion.models.backend import Backbone
 from refusion.models.tokenizer import encode_prompt
-from refusion.serve.loadtest import run_loadtest, task_prompts
+from refusion.serve.loadtest import format_report, run_loadtest, task_prompts, verdicts
 from refusion.tasks import get_task
 
 
@@ -45,24 +52,64 @@ def start_server(row: str, task: str, extra: list[str]) -> tuple[subprocess.Pope
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:
         if line.startswith("serving "):
+            threading.Thread(target=lambda: [print(f"[{row} server] {x}", end="", flush=True) for x in proc.stdout],
+                             daemon=True).start()  # its later output: printed, so the pipe never fills
             return proc, line.rsplit(" ", 1)[-1].strip()
     raise RuntimeError(f"the server of row {row} did not start (exit {proc.wait()})")
 
 
-def offline_tokens_per_s(decoder, prompts: list[list[int]], batch: int) -> float:
-    tokens, wall = 0, 0.0
-    for i in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        results = decoder.generate_batch(prompts[i: i + batch])
-        wall += time.perf_counter() - t0
-        tokens += sum(len(r.token_ids) for r in results)
-    return tokens / wall
+def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float]:
+    """One batch-bench chunk: (generated tokens, wall seconds, CPU seconds) of ``generate_batch`` over
+    ``prompts``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    results = decoder.generate_batch(prompts)
+    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]], rounds: int) -> dict:
+    """Per round: batch-bench's chunks of 16 over every prompt, and the same prompts served as a stream of
+    requests at concurrency 16, the side that goes first alternating (see the module docstring) -> per-round
+    figures and the served / offline ratios with paired-bootstrap intervals over the rounds: of tokens per
+    wall second, and of tokens per CPU second (the offline process's against the server process's, which
+    other work on the machine inflates less)."""
+    rows: list[dict] = []
+    for r in range(rounds):
+        row: dict = {}
+
+        def offline() -> None:
+            chunks = [offline_chunk(decoder, prompts[i: i + 16]) for i in range(0, len(prompts), 16)]
+            row.update(offline_tokens=sum(c[0] for c in chunks), offline_s=sum(c[1] for c in chunks),
+                       offline_cpu_s=sum(c[2] for c in chunks))
+
+        def served() -> None:
+            rep = run_loadtest(url, queries, 16, len(queries), 1800)
+            if rep["errors"] or rep["not_sent"]:
+                raise RuntimeError(f"served round failed: {rep['errors']}, {rep['not_sent']} not sent")
+            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"],
+                       served_cpu_s=rep["server"]["cpu_s"], forward_calls=rep["server"]["forward_calls"])
+
+        for side in ((offline, served) if r % 2 == 0 else (served, offline)):
+            side()
+        rows.append(row)
+        print(f"  round {r}: {json.dumps(row)}, load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    def col(key: str) -> list[float]:
+        return [row[key] for row in rows]
+
+    wall = throughput_ratio(col("offline_tokens"), col("offline_s"), col("served_tokens"), col("served_s"))
+    cpu = throughput_ratio(col("offline_tokens"), col("offline_cpu_s"), col("served_tokens"), col("served_cpu_s"))
+    return {"rounds": rows, "offline_tokens_per_s": sum(col("offline_tokens")) / sum(col("offline_s")),
+            "served_tokens_per_s": sum(col("served_tokens")) / sum(col("served_s")),
+            "ratio": wall.value, "ratio_low": wall.low, "ratio_high": wall.high,
+            "cpu_ratio": cpu.value, "cpu_ratio_low": cpu.low, "cpu_ratio_high": cpu.high,
+            "same_tokens": col("offline_tokens") == col("served_tokens")}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="ar,refusion,llada,block")
+    ap.add_argument("--rows", default="ar,refusion,llada,block,spec-diffusion")
     ap.add_argument("--task", default="arith")
+    ap.add_argument("--parts", default="ratio,table,goal", help="of ratio, table, goal (default all)")
     ap.add_argument("--limit", type=int, default=32, help="prompts of the task (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved offline / served rounds (default 3)")
     ap.add_argument("--concurrency", default="1,4,16")
@@ -72,70 +119,104 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-args", default="", help="more flags for refusion serve (e.g. '--admit-min 1')")
     ap.add_argument("--out", type=Path, default=Path("runs/serve_bench"))
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"ratio", "table", "goal"}:
+        ap.error(f"--parts: of ratio, table, goal; got {args.parts!r}")
     set_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     bench = load_bench_config(None)
     task = get_task(args.task)
     queries = task_prompts(args.task, "test", args.limit)
-    results = []
+    results, all_met = [], True
     for row in [r for r in args.rows.split(",") if r]:
-        backbone = Backbone.from_pretrained(bench.models[row])
-        decoder = build_decoder(backbone, bench.decoder_config(args.task, row, task.max_new_tokens))
-        prompts = [encode_prompt(backbone.tokenizer, q) for q in queries]
+        result = {"row": row, "model": bench.models[row], "task": args.task, "serve_args": args.serve_args,
+                  "load_average_before": os.getloadavg()}
         proc, url = start_server(row, args.task, args.serve_args.split())
         try:
-            run_loadtest(url, queries, 16, 16, 600)  # warm-up of both sides
-            offline_tokens_per_s(decoder, prompts[:16], 16)
-            rounds = []
-            for _ in range(args.rounds):
-                off = offline_tokens_per_s(decoder, prompts, 16)
-                served = run_loadtest(url, queries, 16, len(queries), 600)
-                rounds.append({"offline_tokens_per_s": off, "served_tokens_per_s": served["tokens_per_s"],
-                               "ratio": served["tokens_per_s"] / off, "served_errors": served["errors"]})
-            table = {}
-            for c in [int(x) for x in args.concurrency.split(",")]:
-                r = run_loadtest(url, queries, c, args.table_requests, 1800)
-                table[c] = {k: r[k] for k in ("tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms", "errors",
-                                              "completed")}
-            goal = run_loadtest(url, queries, 16, args.goal_requests, 1800,
-                                disconnect_fraction=args.disconnect_fraction, check_offline=True)
+            run_loadtest(url, queries[:16], 16, 16, 1800)  # warm-up of the server
+            if "ratio" in parts:
+                backbone = Backbone.from_pretrained(bench.models[row])
+                decoder = build_decoder(backbone, bench.decoder_config(args.task, row, task.max_new_tokens))
+                prompts = [encode_prompt(backbone.tokenizer, q) for q in queries]
+                offline_chunk(decoder, prompts[:16])  # warm-up of the offline side
+                result["ratio"] = measure_ratio(decoder, url, queries, prompts, args.rounds)
+                print(row, "served / offline", json.dumps({k: v for k, v in result["ratio"].items() if k != "rounds"}),
+                      f"load average {os.getloadavg()}", flush=True)
+            if "table" in parts:
+                table = {}
+                for c in [int(x) for x in args.concurrency.split(",")]:
+                    r = run_loadtest(url, queries, c, args.table_requests, 1800)
+                    table[c] = {k: r[k] for k in ("tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms", "errors",
+                                                  "completed")}
+                result["concurrency"] = table
+            if "goal" in parts:
+                goal = run_loadtest(url, queries, 16, args.goal_requests, 3 * 3600,
+                                    disconnect_fraction=args.disconnect_fraction, check_offline=True)
+                result["goal"] = goal
+                result["verdicts"] = verdicts(goal)
+                print(f"{row}: goal run of {args.goal_requests} requests at concurrency 16\n" + format_report(goal),
+                      flush=True)
+                all_met &= all(met for _, met, _ in result["verdicts"])
         finally:
             proc.send_signal(signal.SIGINT)
-            exit_code = proc.wait(timeout=120)
-        results.append({"row": row, "model": bench.models[row], "task": args.task, "serve_args": args.serve_args,
-                        "rounds": rounds,
-                        "ratio_median": statistics.median(r["ratio"] for r in rounds), "concurrency": table,
-                        "goal": goal, "server_exit": exit_code, "load_average": os.getloadavg()})
-        print(row, json.dumps(results[-1]["rounds"]), f"load average {os.getloadavg()}", flush=True)
+            result["server_exit"] = proc.wait(timeout=120)
+        result["load_average"] = os.getloadavg()
+        print(row, f"done, load average {result['load_average']}", flush=True)
+        results.append(result)
         (args.out / "serve_bench.json").write_text(json.dumps(results, indent=1))
-    (args.out / "serve_bench.md").write_text(report(results))
-    print(report(results))
-    return 0
+        (args.out / "serve_bench.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0 if all_met else 1
 
 
-def report(results: list[dict]) -> str:
-    """The served rows per concurrency level, then each row's offline against served throughput and the goal
-    run (Markdown, :func:`refusion.experiments.tables.markdown`)."""
+def markdown(results: list[dict]) -> str:
     def f(v) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
-    levels = [[r["row"], str(c), f"{t['tokens_per_s']:.0f}", f"{t['requests_per_s']:.2f}",
-               " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")),
-               " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99")), str(sum(t["errors"].values()))]
-              for r in results for c, t in r["concurrency"].items()]
-    goals = []
-    for r in results:
-        g = r["goal"]
-        goals.append([r["row"], ", ".join(f"{x['offline_tokens_per_s']:.0f}" for x in r["rounds"]),
-                      ", ".join(f"{x['served_tokens_per_s']:.0f}" for x in r["rounds"]), f"{r['ratio_median']:.2f}",
-                      f"{g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / {g['delivery']['lost']}",
-                      f"{g['offline']['differ']} of {g['offline']['compared']}", str(g["server"]["batch_size_after"]),
-                      f"{f(g['server']['rss_mb_first_half_max'])} / {f(g['server']['rss_mb_second_half_max'])}"])
-    return (markdown(["row", "concurrency", "tokens/s", "requests/s", "TTFT p50 / p95 / p99 ms", "ITL p50 / p95 / p99 ms",
-                      "errors"], levels) + "\n" +
-            markdown(["row", "offline tok/s at batch 16 (rounds)", "served tok/s at concurrency 16 (rounds)",
-                      "served / offline (median)", "goal: completed / hung up / errors / lost", "differ from offline",
-                      "batch after", "RSS MB 1st / 2nd half max"], goals))
+    def load(r: dict) -> str:
+        return f"{r['load_average_before'][0]:.1f} / {r['load_average'][0]:.1f}"
+
+    lines = []
+    if any("concurrency" in r for r in results):
+        lines += ["| row | concurrency | tokens/s | requests/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 / p99 ms | "
+                  "errors |", "|---|---|---|---|---|---|---|"]
+        for r in results:
+            for c, t in r.get("concurrency", {}).items():
+                lines.append(f"| {r['row']} | {c} | {t['tokens_per_s']:.0f} | {t['requests_per_s']:.2f} | "
+                             + " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")) + " | "
+                             + " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99"))
+                             + f" | {sum(t['errors'].values())} |")
+        lines.append("")
+    if any("ratio" in r for r in results):
+        lines += ["| row | batch-bench tok/s, batch 16 | served tok/s, concurrency 16 | served / batch-bench, wall "
+                  "(95% interval) | the same per CPU second | rounds | load average before / after |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results:
+            if "ratio" in r:
+                x = r["ratio"]
+                lines.append(f"| {r['row']} | {x['offline_tokens_per_s']:.0f} | {x['served_tokens_per_s']:.0f} | "
+                             f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f}) | "
+                             f"{x['cpu_ratio']:.2f} ({x['cpu_ratio_low']:.2f} - {x['cpu_ratio_high']:.2f}) | "
+                             f"{len(x['rounds'])} | "
+                             f"{load(r)} |")
+        lines.append("")
+    if any("goal" in r for r in results):
+        lines += ["| row | requests: completed / hung up / errors / not sent / lost | differ from offline | "
+                  "batch, queue after | cancelled by hang-up | RSS MB 1st / 2nd half max | wall s | verdicts | "
+                  "load average before / after |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            if "goal" not in r:
+                continue
+            g, srv = r["goal"], r["goal"]["server"]
+            met = [goal for goal, ok, _ in r["verdicts"] if ok]
+            unmet = [goal for goal, ok, _ in r["verdicts"] if not ok]
+            lines.append(
+                f"| {r['row']} | {g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / "
+                f"{g['not_sent']} / {g['delivery']['lost']} | {g['offline']['differ']} of {g['offline']['compared']} | "
+                f"{f(srv['batch_size_after'])}, {f(srv['queue_after'])} | {srv['cancelled_disconnect']:.0f} | "
+                f"{f(srv['rss_mb_first_half_max'])} / {f(srv['rss_mb_second_half_max'])} | {g['wall_s']:.0f} | "
+                + (f"all {len(met)} met" if not unmet else "NOT MET: " + ", ".join(unmet)) + f" | {load(r)} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

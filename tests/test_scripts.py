@@ -184,3 +184,16 @@ def test_stage_tokens_sorts_every_fed_token_by_stage(capsys):
     assert sum(float(line.split()[-1].rstrip("%")) for line in stages) == pytest.approx(100, abs=0.5)
     assert float(out[-1].split()[3]) == pytest.approx(sum(float(line.split()[-2]) for line in stages), abs=0.05)
     assert run_script("stage_tokens.py", "--batch-size", "3", "--limit", "4") == 2
+
+
+@pytest.mark.slow
+def test_serve_bench_runs_the_goal_and_the_ratio_on_a_small_load(tmp_path, capsys):
+    pytest.importorskip("uvicorn")
+    code = run_script("serve_bench.py", "--rows", "block", "--parts", "ratio,goal", "--limit", "16", "--rounds", "2",
+                      "--goal-requests", "20", "--out", str(tmp_path))
+    out = capsys.readouterr().out
+    assert code == 0 and "NOT MET" not in out and out.count("MET: ") == 6
+    result = json.loads((tmp_path / "serve_bench.json").read_text())[0]
+    assert result["goal"]["disconnected"] == 2 and result["goal"]["offline"]["differ"] == 0
+    assert result["ratio"]["same_tokens"] and result["ratio"]["ratio_low"] <= result["ratio"]["ratio"]
+    assert "| block |" in (tmp_path / "serve_bench.md").read_text()

@@ -30,6 +30,8 @@ SERVED = {
                            "selector": {"name": "confidence_threshold", "threshold": 0.9}}),
     "block": ("tiny-block", {"decoder": "block", "gen_length": 24,
                              "selector": {"name": "confidence_threshold", "threshold": 0.9}}),
+    "speculative": ("tiny-ar", {"decoder": "speculative", "gen_length": 24, "k": 4,
+                                "proposer": {"name": "diffusion", "model": "tiny-block"}}),
 }
 QUERIES = [ex.query for ex in get_task("arith").examples("test", 6)]
 
@@ -125,7 +127,7 @@ def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             extra = {"refusion": [{"slot_size": 4}, {}], "llada": [{"block_length": 4}, {}],
                      "block": [{"selector": {"name": "confidence_threshold", "threshold": 0.5}}, {}],
-                     "ar": [{}, {}]}[name]
+                     "ar": [{}, {}], "speculative": [{"k": 2, "schedule": "heuristic"}, {}]}[name]
             jobs = [(q, extra[i % 2], 8 + 8 * (i % 3)) for i, q in enumerate(QUERIES)]
 
             def ask(job):
@@ -139,9 +141,11 @@ def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
             for (q, options, n), ids in zip(jobs, served):
                 assert ids == offline(model, config, chat_ids(model, q), gen_length=n, **options), (name, options, n)
             engine, end = srv.state.engine, time.monotonic() + 10
-            while (engine.counts() != (0, 0) or engine.cache.lengths) and time.monotonic() < end:
+            caches = [getattr(engine.cache, side) for side in ("target", "drafter")] if name == "speculative" \
+                else [engine.cache]
+            while (engine.counts() != (0, 0) or any(c.lengths for c in caches)) and time.monotonic() < end:
                 time.sleep(0.01)  # the last answer goes out as its loop ends; its rows leave just after
-            assert engine.counts() == (0, 0) and engine.cache.lengths == []
+            assert engine.counts() == (0, 0) and all(c.lengths == [] for c in caches)
         finally:
             srv.stop()
 
@@ -172,87 +176,149 @@ def test_temperature_and_seed_reach_the_drafter(server, client):
     assert sampled[0] != sampled[1]
 
 
-BAD = [  # (path, body or raw bytes, headers, status, the field the message must name)
-    ("/v1/completions", b"{not json", {}, 400, "body"),
-    ("/v1/completions", b"[1, 2]", {}, 400, "body"),
-    ("/v1/completions", {"prompt": "hi"}, {}, 400, "model"),
-    ("/v1/completions", {"model": "nope", "prompt": "hi"}, {}, 404, "model"),
-    ("/v1/completions", {"model": "M"}, {}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": ""}, {}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": 7}, {}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, {}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": [5, 99999]}, {}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": "1 + " * 400}, {}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": -3}, {}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, {}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 10**9}, {}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": "10"}, {}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": -1}, {}, 400, "temperature"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": "hot"}, {}, 400, "temperature"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "seed": 1.5}, {}, 400, "seed"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": 3}, {}, 400, "stop"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": [""]}, {}, 400, "stop"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "stream": "yes"}, {}, 400, "stream"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "colour": "red"}, {}, 400, "colour"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, {}, 400, "n"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 3}, {}, 400, "logprobs"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 0.5}, {}, 400, "top_p"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"slot_size": 0}}, {}, 400, "slot_size"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"slot_sise": 4}}, {}, 400, "slot_sise"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"selector": {"slot_threshold": 2}}}, {}, 400,
-     "selector.slot_threshold"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"decoder": "ar"}}, {}, 400, "refusion.decoder"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": {"gen_length": 4}}, {}, 400, "refusion.gen_length"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "refusion": "fast"}, {}, 400, "refusion"),
-    ("/v1/completions", {"model": "M", "prompt": "hi" * 40_000}, {}, 413, "body"),
-    ("/v1/chat/completions", {"model": "M", "messages": []}, {}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "hi"}]}, {}, 400, "role"),
-    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": 5}]}, {}, 400, "content"),
-    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                              "max_completion_tokens": 5}, {}, 400, "max_completion_tokens"),
-    ("/v1/completions", {"model": "M", "prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, "Authorization"),
-    ("/v1/completions", {"model": "M", "prompt": "hi"}, {"Authorization": ""}, 401, "Authorization"),
-    ("/v1/nothing", {"model": "M"}, {}, 404, "path"),
-]
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+BAD = {  # kind -> (method, path, body (a dict, "M" the served model) or raw bytes, headers, status, field named)
+    "bad JSON": ("POST", C, b"{not json", {}, 400, "body"),
+    "body not an object": ("POST", C, b"[1, 2]", {}, 400, "body"),
+    "body not UTF-8": ("POST", C, b'{"model": "\xff"}', {}, 400, "body"),
+    "oversized body": ("POST", C, {"model": "M", "prompt": "hi" * 40_000}, {}, 413, "body"),
+    "no model": ("POST", C, {"prompt": "hi"}, {}, 400, "model"),
+    "model not a string": ("POST", C, {"model": 5, "prompt": "hi"}, {}, 400, "model"),
+    "unknown model": ("POST", C, {"model": "nope", "prompt": "hi"}, {}, 404, "model"),
+    "no prompt": ("POST", C, {"model": "M"}, {}, 400, "prompt"),
+    "empty prompt": ("POST", C, {"model": "M", "prompt": ""}, {}, 400, "prompt"),
+    "empty token list": ("POST", C, {"model": "M", "prompt": []}, {}, 400, "prompt"),
+    "prompt a number": ("POST", C, {"model": "M", "prompt": 7}, {}, 400, "prompt"),
+    "several prompts": ("POST", C, {"model": "M", "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    "nested token lists": ("POST", C, {"model": "M", "prompt": [[1, 2]]}, {}, 400, "prompt"),
+    "token id outside the vocabulary": ("POST", C, {"model": "M", "prompt": [5, 99999]}, {}, 400, "prompt"),
+    "prompt over the model's length": ("POST", C, {"model": "M", "prompt": "1 + " * 400}, {}, 400, "prompt"),
+    "negative max_tokens": ("POST", C, {"model": "M", "prompt": "hi", "max_tokens": -3}, {}, 400, "max_tokens"),
+    "zero max_tokens": ("POST", C, {"model": "M", "prompt": "hi", "max_tokens": 0}, {}, 400, "max_tokens"),
+    "huge max_tokens": ("POST", C, {"model": "M", "prompt": "hi", "max_tokens": 10**9}, {}, 400, "max_tokens"),
+    "max_tokens a string": ("POST", C, {"model": "M", "prompt": "hi", "max_tokens": "10"}, {}, 400, "max_tokens"),
+    "max_tokens a float": ("POST", C, {"model": "M", "prompt": "hi", "max_tokens": 8.0}, {}, 400, "max_tokens"),
+    "negative temperature": ("POST", C, {"model": "M", "prompt": "hi", "temperature": -1}, {}, 400, "temperature"),
+    "huge temperature": ("POST", C, {"model": "M", "prompt": "hi", "temperature": 1e6}, {}, 400, "temperature"),
+    "temperature a string": ("POST", C, {"model": "M", "prompt": "hi", "temperature": "hot"}, {}, 400, "temperature"),
+    "seed a float": ("POST", C, {"model": "M", "prompt": "hi", "seed": 1.5}, {}, 400, "seed"),
+    "negative seed": ("POST", C, {"model": "M", "prompt": "hi", "seed": -1}, {}, 400, "seed"),
+    "stop a number": ("POST", C, {"model": "M", "prompt": "hi", "stop": 3}, {}, 400, "stop"),
+    "five stop strings": ("POST", C, {"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, {}, 400,
+                          "stop"),
+    "empty stop string": ("POST", C, {"model": "M", "prompt": "hi", "stop": [""]}, {}, 400, "stop"),
+    "stream a string": ("POST", C, {"model": "M", "prompt": "hi", "stream": "yes"}, {}, 400, "stream"),
+    "stream_options without stream": ("POST", C, {"model": "M", "prompt": "hi", "stream_options":
+                                                  {"include_usage": True}}, {}, 400, "stream_options"),
+    "user a number": ("POST", C, {"model": "M", "prompt": "hi", "user": 5}, {}, 400, "user"),
+    "unknown field": ("POST", C, {"model": "M", "prompt": "hi", "colour": "red"}, {}, 400, "colour"),
+    "n above 1": ("POST", C, {"model": "M", "prompt": "hi", "n": 2}, {}, 400, "n"),
+    "logprobs": ("POST", C, {"model": "M", "prompt": "hi", "logprobs": 3}, {}, 400, "logprobs"),
+    "top_p below 1": ("POST", C, {"model": "M", "prompt": "hi", "top_p": 0.5}, {}, 400, "top_p"),
+    "penalty": ("POST", C, {"model": "M", "prompt": "hi", "presence_penalty": 0.5}, {}, 400, "presence_penalty"),
+    "decoder option out of range": ("POST", C, {"model": "M", "prompt": "hi", "refusion": {"slot_size": 0}}, {}, 400,
+                                    "slot_size"),
+    "unknown decoder option": ("POST", C, {"model": "M", "prompt": "hi", "refusion": {"slot_sise": 4}}, {}, 400,
+                               "slot_sise"),
+    "nested decoder option out of range": ("POST", C, {"model": "M", "prompt": "hi", "refusion":
+                                                       {"selector": {"slot_threshold": 2}}}, {}, 400,
+                                           "selector.slot_threshold"),
+    "decoder option not a name": ("POST", C, {"model": "M", "prompt": "hi", "refusion": {"no-such!": 1}}, {}, 400,
+                                  "refusion.no-such!"),
+    "another decoder": ("POST", C, {"model": "M", "prompt": "hi", "refusion": {"decoder": "ar"}}, {}, 400,
+                        "refusion.decoder"),
+    "gen_length per request": ("POST", C, {"model": "M", "prompt": "hi", "refusion": {"gen_length": 4}}, {}, 400,
+                               "refusion.gen_length"),
+    "options not a mapping": ("POST", C, {"model": "M", "prompt": "hi", "refusion": "fast"}, {}, 400, "refusion"),
+    "no messages": ("POST", CHAT, {"model": "M", "messages": []}, {}, 400, "messages"),
+    "unknown role": ("POST", CHAT, {"model": "M", "messages": [{"role": "robot", "content": "hi"}]}, {}, 400, "role"),
+    "content a number": ("POST", CHAT, {"model": "M", "messages": [{"role": "user", "content": 5}]}, {}, 400,
+                         "content"),
+    "image content part": ("POST", CHAT, {"model": "M", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400, "type"),
+    "two token limits that differ": ("POST", CHAT, {"model": "M", "messages": HI, "max_tokens": 4,
+                                                    "max_completion_tokens": 5}, {}, 400, "max_completion_tokens"),
+    "chat with a prompt": ("POST", CHAT, {"model": "M", "messages": HI, "prompt": "hi"}, {}, 400, "prompt"),
+    "wrong API key": ("POST", C, {"model": "M", "prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401,
+                      "Authorization"),
+    "no API key": ("POST", C, {"model": "M", "prompt": "hi"}, {"Authorization": ""}, 401, "Authorization"),
+    "no API key for /metrics": ("GET", "/metrics", None, {"Authorization": ""}, 401, "Authorization"),
+    "unknown path": ("POST", "/v1/nothing", {"model": "M"}, {}, 404, "path"),
+    "wrong method": ("GET", C, None, {}, 405, "method"),
+}
+KEY = {"Authorization": "Bearer sesame"}
 
 
-def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving():
+@pytest.fixture(scope="module")
+def guarded():
+    """A refusion server with an API key and a 64 KiB body limit."""
+    srv = start(*SERVED["refusion"], api_key="sesame", max_body_bytes=64 * 1024)
+    yield srv
+    srv.stop()
+
+
+def send_bad(url: str, kind: str) -> tuple[int, dict]:
+    method, path, body, headers, _, _ = BAD[kind]
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": SERVED["refusion"][0]}
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    status, answer = raw(url, method, path, data, {**KEY, **headers})
+    return status, json.loads(answer)
+
+
+def test_there_are_at_least_20_kinds_of_bad_request():
+    assert len(BAD) >= 20
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_a_bad_request_gets_a_4xx_naming_the_field(guarded, kind):
+    status, answer = send_bad(guarded.url, kind)
+    want_status, field = BAD[kind][4:]
+    error = answer["error"]
+    assert status == want_status and 400 <= status < 500, (kind, status, error)
+    assert field in error["message"] and error["code"] == status, (kind, error)
+    assert error["type"] and error["param"], (kind, error)  # OpenAI's error object, the field as its param
+
+
+def test_the_server_keeps_serving_others_through_bad_requests(guarded):
+    """Every kind of bad request, sent while well-formed requests (streamed and not) are decoding: each bad
+    one gets its 4xx, each good one its offline decode, and the server still answers after."""
     model, config = SERVED["refusion"]
-    import pathlib
-    import tempfile
+    c = openai.OpenAI(base_url=guarded.url + "/v1", api_key="sesame", max_retries=0, timeout=120)
+    tok = offline_backbone(model).tokenizer
 
-    srv = start(model, config, api_key="sesame", max_body_bytes=64 * 1024)
-    try:
-        good = {"Authorization": "Bearer sesame"}
-        kinds = 0
-        for path, body, headers, status, field in BAD:
-            if isinstance(body, dict) and body.get("model") == "M":
-                body = {**body, "model": model}
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            got, answer = raw(srv.url, "POST", path, data, {**good, **headers})
-            message = json.loads(answer)["error"]["message"]
-            assert got == status and field in message, (path, body if len(data) < 200 else "...", got, message)
-            kinds += 1
-        assert kinds >= 20
-        got, answer = raw(srv.url, "GET", "/v1/completions", None, good)
-        assert got == 405 and "method" in json.loads(answer)["error"]["message"]
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sesame", max_retries=0)
-        out = c.completions.create(model=model, prompt="1 + 1 =", max_tokens=4)  # still serving
-        want = offline(model, config, offline_backbone(model).tokenizer.encode("1 + 1 ="), gen_length=4)
-        assert out.model_extra["refusion"]["token_ids"] == want
-        assert raw(srv.url, "GET", "/health")[0] == 200  # no key needed
-        assert raw(srv.url, "GET", "/metrics")[0] == 401
-        metrics = raw(srv.url, "GET", "/metrics", None, good)[1].decode()
-        assert 'refusion_requests_total{endpoint="completions",status="400"}' in metrics
-        with tempfile.TemporaryDirectory() as tmp:  # the API key file of the command line
-            from refusion.serve.cli import _api_key
+    def good(i: int) -> list[int]:
+        kwargs = {"model": model, "messages": [{"role": "user", "content": QUERIES[i]}], "max_tokens": 48}
+        if i % 2:
+            return [t for chunk in c.chat.completions.create(stream=True, **kwargs)
+                    for t in (chunk.model_extra.get("refusion") or {}).get("token_ids", [])]
+        return c.chat.completions.create(**kwargs).model_extra["refusion"]["token_ids"]
 
-            p = pathlib.Path(tmp) / "key"
-            p.write_text("sesame\n")
-            assert _api_key(str(p)) == "sesame"
-    finally:
-        srv.stop()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(good, i) for i in range(4)]
+        bads = {kind: pool.submit(send_bad, guarded.url, kind) for kind in BAD}
+        for kind, future in bads.items():
+            assert future.result()[0] == BAD[kind][4], kind
+        for i, future in enumerate(goods):
+            assert future.result() == offline(model, config, chat_ids(model, QUERIES[i]), gen_length=48)
+    out = c.completions.create(model=model, prompt="1 + 1 =", max_tokens=4)
+    assert out.model_extra["refusion"]["token_ids"] == offline(model, config, tok.encode("1 + 1 ="), gen_length=4)
+    assert raw(guarded.url, "GET", "/health", None, {})[0] == 200  # no key needed
+    metrics = raw(guarded.url, "GET", "/metrics", None, KEY)[1].decode()
+    assert 'refusion_requests_total{endpoint="completions",status="400"}' in metrics
+    engine, end = guarded.state.engine, time.monotonic() + 10
+    while engine.counts() != (0, 0) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert engine.counts() == (0, 0)
+
+
+def test_the_api_key_file_is_read(tmp_path):
+    from refusion.serve.cli import _api_key
+
+    p = tmp_path / "key"
+    p.write_text("sesame\n")
+    assert _api_key(str(p)) == "sesame"
 
 
 def test_a_model_without_chat_template_refuses_chat_but_serves_completions():

@@ -25,9 +25,54 @@ def test_bad_flags_are_refused_naming_them(args, field, capsys):
 
 
 def test_a_decoder_whose_batch_is_its_own_is_refused():
+    import types
+
     from refusion.core.config import ConfigError
+    from refusion.core.hookspecs import hookimpl
+    from refusion.core.registry import build_registry, make_plugin_manager, set_registry
+    from refusion.decoders.ar import ArDecoder
     from refusion.models.backend import Backbone
     from refusion.serve.options import DecoderPool
 
-    with pytest.raises(ConfigError, match="'speculative' cannot be served"):
-        DecoderPool(Backbone.from_pretrained("tiny-ar"), {"decoder": "speculative", "k": 2})
+    class OwnBatch(ArDecoder):
+        name = "own-batch"
+
+        def _decode_batch(self, prompts, generator, on_commit=None):
+            return [self._decode(p, generator) for p in prompts]
+
+    class Wrapped(OwnBatch):  # a batch around the default one says so
+        name = "wrapped-batch"
+        batch_by_batch_loop = True
+
+    module = types.ModuleType("own_batch_plugin")
+    module.register_decoders = hookimpl(lambda register: [register(c.name, c) for c in (OwnBatch, Wrapped)])
+    bb = Backbone.from_pretrained("tiny-ar")
+    set_registry(build_registry(make_plugin_manager([module], autoload=False)))
+    try:
+        with pytest.raises(ConfigError, match="'own-batch' cannot be served"):
+            DecoderPool(bb, {"decoder": "own-batch"})
+        assert DecoderPool(bb, {"decoder": "wrapped-batch"}).name == "wrapped-batch"
+        assert DecoderPool(bb, {"decoder": "speculative", "k": 2}).name == "speculative"
+    finally:
+        set_registry(None)
+
+
+@pytest.mark.slow
+def test_serve_exits_cleanly_on_sigint():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("uvicorn")
+    proc = subprocess.Popen([sys.executable, "-m", "refusion.cli", "serve", "--model", "tiny-ar", "--decoder", "ar",
+                             "--port", "0", "--threads", "1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout.readline().startswith("serving ")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]

@@ -185,9 +185,47 @@ def run_loop(loop: LoopSteps, on_commit: Callable[[Commit], None] | None = None)
     return exhaust(drive(loop), on_commit)
 
 
+#: a policy that splits one group's forward requests (in the batch's row order) into several model calls:
+#: -> the calls, each a list of indices into the requests (every index once; each call in row order)
+SplitPolicy = Callable[[list["ForwardRequest"]], list[list[int]]]
+
+
+def width_split(call_cost_tokens: float) -> SplitPolicy:
+    """A :data:`SplitPolicy` that puts requests of similar widths in one call: a model call pads every row
+    to its widest request, so rows of different widths (sequences at different stages) may cost less in
+    two calls than in one. ``call_cost_tokens``: a call's fixed cost in tokens fed (the forward cost
+    model's fixed cost over its cost per token). Over the distinct widths, sorted, it picks the contiguous
+    ranges whose calls cost least, each ``call_cost_tokens + rows * widest``."""
+    if call_cost_tokens < 0:
+        raise ValueError(f"call_cost_tokens: must be 0 or more, got {call_cost_tokens}")
+
+    def split(requests: list[ForwardRequest]) -> list[list[int]]:
+        widths = [r.ids.shape[-1] for r in requests]
+        levels = sorted(set(widths))
+        if len(levels) == 1:
+            return [list(range(len(requests)))]
+        rows_at = [0] * len(levels)
+        for r, w in zip(requests, widths):
+            rows_at[levels.index(w)] += r.ids.shape[0] if r.ids.dim() == 2 else 1
+        best = [0.0] + [float("inf")] * len(levels)  # best[j]: the least cost of levels[:j]
+        start = [0] * (len(levels) + 1)  # start[j]: where the last call of best[j] begins
+        for j in range(1, len(levels) + 1):
+            for i in range(j):
+                cost = best[i] + call_cost_tokens + levels[j - 1] * sum(rows_at[i:j])
+                if cost < best[j]:
+                    best[j], start[j] = cost, i
+        ranges, j = [], len(levels)
+        while j:
+            ranges.append((levels[start[j]], levels[j - 1]))
+            j = start[j]
+        return [[k for k, w in enumerate(widths) if lo <= w <= hi] for lo, hi in reversed(ranges)]
+
+    return split
+
+
 def run_loops(
     loops: list[LoopSteps], cache: BatchCache, admit: Callable[[], list[LoopSteps]] | None = None,
-    on_commit: Callable[[int, Commit], None] | None = None,
+    on_commit: Callable[[int, Commit], None] | None = None, split: SplitPolicy | None = None,
 ) -> list[LoopOutput]:
     """Run several sequences' loops as a batch over one shared ``cache`` (each loop's requests name its
     view of it). Every loop runs until it waits on the device; then all waiting reads are served by ONE
@@ -200,7 +238,8 @@ def run_loops(
     Returns the outputs in the order the loops joined (``loops`` first, then each admitted one); each gets
     the forwards its sequence took part in (``nfe``), the tokens fed in its rows (``tokens_in``, padding
     included: summed over the sequences, the tokens of the model calls) and when it ended.
-    ``on_commit(i, commit)`` receives loop i's commits as they happen."""
+    ``on_commit(i, commit)`` receives loop i's commits as they happen. ``split`` (a :data:`SplitPolicy`,
+    e.g. :func:`width_split`): a group's forwards in several model calls (default: one call per group)."""
     all_loops: list[LoopSteps] = []
     outputs: list[LoopOutput | None] = []
     nfe: list[int] = []
@@ -258,7 +297,13 @@ def run_loops(
         for i in sorted(waiting, key=lambda i: cache.row_order(waiting[i].cache)):  # the batch's row order
             groups.setdefault(waiting[i].group, []).append(i)
         replies: dict[int, object] = {}
+        calls: list[list[int]] = []
         for order in groups.values():
+            if split is None or len(order) == 1:
+                calls.append(order)
+            else:
+                calls += [[order[k] for k in part] for part in split([waiting[i] for i in order])]
+        for order in calls:
             requests = [waiting[i] for i in order]
             width = max(request.ids.shape[-1] for request in requests)  # every row is padded to it
             for i, request, reply in zip(order, requests, cache.forward(requests)):

@@ -78,6 +78,17 @@ class LoopDecoder(Decoder):
     seeded as a single decode's, so a batched decode draws what the single decode draws."""
 
     batched = True
+    #: whether the batched decode runs :meth:`batch_loop` over :meth:`new_batch_cache`, as a server's engine
+    #: does (None: so when the subclass keeps :meth:`_decode_batch`; a subclass that overrides it around
+    #: the default sets True)
+    batch_by_batch_loop: bool | None = None
+
+    @classmethod
+    def serves_batch_loop(cls) -> bool:
+        """Whether a server may run this decoder's loops from :meth:`batch_loop` (see ``batch_by_batch_loop``)."""
+        if cls.batch_by_batch_loop is not None:
+            return cls.batch_by_batch_loop
+        return cls._decode_batch is LoopDecoder._decode_batch
 
     @abstractmethod
     def _loop(self, prompt_ids: list[int], generator: torch.Generator, cache) -> LoopSteps:

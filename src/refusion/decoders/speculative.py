@@ -54,7 +54,7 @@ from refusion.core.config import PartSpec
 from refusion.core.hookspecs import hookimpl
 from refusion.core.host import from_host
 from refusion.core.interfaces import DecoderOptions, Draft
-from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read, run_loops
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, Read
 from refusion.core.types import IterationTrace, LoopOutput
 from refusion.decoders.common import LoopDecoder, cut_after_eos
 from refusion.models.kvcache import RaggedCache
@@ -120,6 +120,7 @@ class SpeculativeDecoder(LoopDecoder):
     name = "speculative"
     Options = SpeculativeOptions
     attention = ("causal",)
+    batch_by_batch_loop = True
 
     def __init__(self, backbone, options, parts) -> None:
         super().__init__(backbone, options, parts)
@@ -136,15 +137,23 @@ class SpeculativeDecoder(LoopDecoder):
                              f"{options.temperature:g}: set temperature, or acceptance (e.g. {other!r}), or leave "
                              "acceptance unset to take the temperature's rule")
 
+    def new_batch_cache(self) -> PairedCache:
+        """The shared cache of a running batch: the target's rows and, for a proposer with a model, the
+        drafter's (:class:`PairedCache`), so the drafter's forwards are batched too."""
+        return PairedCache(RaggedCache(self.backbone), self.proposer.new_batch_cache())
+
+    def batch_loop(self, prompt_ids, generator, batch_cache: PairedCache) -> LoopSteps:
+        """One sequence's loop on new views of ``batch_cache``: the target's, and the drafter's when this
+        decoder's proposer runs the batch's drafter model (else the proposer runs on a cache of its own, as
+        a request of a server whose options name another proposer does)."""
+        drafter = batch_cache.drafter
+        shared = drafter is not None and getattr(self.proposer, "draft", None) is drafter.backbone
+        return self._loop(prompt_ids, generator, batch_cache.target.new_view(),
+                          draft_cache=drafter.new_view() if shared else None)
+
     def _decode_batch(self, prompts, generator, on_commit=None):
-        """The loops of :class:`LoopDecoder`, over a cache that holds the target's rows and, for a proposer
-        with a model, the drafter's (:class:`PairedCache`): the drafter's forwards are batched too."""
-        target = RaggedCache(self.backbone)
-        drafter = self.proposer.new_batch_cache()
-        shared = PairedCache(target, drafter)
-        loops = [self._loop(p, self.new_generator(), target.new_view(),
-                            draft_cache=drafter.new_view() if drafter is not None else None) for p in prompts]
-        outs = run_loops(loops, shared, on_commit=on_commit)
+        """The loops of :class:`LoopDecoder` over :meth:`new_batch_cache`; ``nfe``: the target's forwards."""
+        outs = super()._decode_batch(prompts, generator, on_commit)
         for out in outs:  # run_loops counted the drafter's forwards too: nfe is the target's
             out.nfe = out.extra["verifications"]
         return outs

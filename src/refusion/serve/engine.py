@@ -6,8 +6,10 @@ request joins between forwards and leaves when its loop ends, its cache rows fre
 and nothing queued, ``admit`` blocks until a request arrives. When more requests wait than places are
 free, it admits them in groups (``admit_min`` places free, or the oldest has waited ``admit_wait_s``):
 sequences admitted together share their prompt's model call and stay at similar stages, so fewer rows
-are padded to another's width. A newly admitted sequence's first model call (its prompt) runs apart
-from the running batch's call, which would otherwise pad every row to the prompt's width.
+are padded to another's width. A newly admitted sequence's first model call of each request group (its
+prompt) runs apart from the running batch's call, which would otherwise pad every row to the prompt's
+width; with ``call_cost_tokens`` set (by default on the CPU), every group's rows go in calls of similar
+widths where that saves more padding than a call costs (:func:`~refusion.core.loop.width_split`).
 
 A request is a :class:`Job`. Its loop is wrapped (:meth:`Engine._steps`) so that it reports its commits to
 the job's ``sink`` as they happen and stops early when the job is cancelled (the client disconnected, a
@@ -32,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from refusion.core.loop import Commit, ForwardRequest, LoopSteps, run_loops
+from refusion.core.loop import Commit, ForwardRequest, LoopSteps, run_loops, width_split
 from refusion.core.types import LoopOutput
 from refusion.serve.metrics import Metrics, server_metrics
 from refusion.serve.protocol import RequestError
@@ -41,6 +43,15 @@ _ids = itertools.count()
 #: defaults of the admission policy (see :class:`Engine`)
 ADMIT_MIN = 8
 ADMIT_WAIT_S = 0.5
+#: a model call's fixed cost in tokens fed on the CPU (docs/profile.md's cost model of the tiny models: 12 ms
+#: per call, 118 us per token): rows of different widths go in separate calls when that saves more padding
+CALL_COST_TOKENS_CPU = 100.0
+
+
+def default_call_cost_tokens(device) -> float | None:
+    """``call_cost_tokens`` by device: :data:`CALL_COST_TOKENS_CPU` on the CPU; None (one call per request
+    group) elsewhere, where a call's fixed cost outweighs thousands of tokens (docs/gpu.md)."""
+    return CALL_COST_TOKENS_CPU if torch.device(device).type == "cpu" else None
 
 
 class Job:
@@ -71,7 +82,8 @@ class Engine:
     whose :meth:`~refusion.decoders.common.LoopDecoder.new_batch_cache` makes the shared cache."""
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
-                 admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True) -> None:
+                 admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True,
+                 call_cost_tokens: float | None | str = "auto") -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be at least 1, got {max_batch}")
         if max_queue < 0:
@@ -86,6 +98,11 @@ class Engine:
         #: while the batch runs and more requests wait than places are free, admit only when ``admit_min``
         #: places are free (at most the batch) or the oldest waiting request has waited ``admit_wait_s``
         self.admit_min, self.admit_wait_s = min(admit_min, max_batch), admit_wait_s
+        #: rows of one request group in several model calls by width (:func:`~refusion.core.loop.width_split`)
+        #: when a call's fixed cost, in tokens fed, is below the padding saved; None: one call per group
+        self.call_cost_tokens = (default_call_cost_tokens(decoder.backbone.device) if call_cost_tokens == "auto"
+                                 else call_cost_tokens)
+        self._split = None if self.call_cost_tokens is None else width_split(self.call_cost_tokens)
         self.metrics = metrics or server_metrics()
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
@@ -162,7 +179,7 @@ class Engine:
                     return
             self.cache = self.decoder.new_batch_cache()
             try:
-                run_loops([], self.cache, admit=self._admit)
+                run_loops([], self.cache, admit=self._admit, split=self._split)
             except Exception as e:  # a model call failed: fail the batch it served, go on with a fresh cache
                 with self._cond:
                     failed, self._running = list(self._running), set()
@@ -210,7 +227,7 @@ class Engine:
         """``job``'s loop, reporting its commits and stopping when the job is cancelled or times out."""
         generator = torch.Generator(device=job.decoder.backbone.device).manual_seed(job.seed)
         views: set = set()
-        views_before = False  # whether the loop has made a model call yet
+        groups_seen: set = set()  # the request groups the loop has made a model call in
         loop = None
         try:
             loop = job.decoder.batch_loop(job.prompt_ids, generator, self.cache)
@@ -240,9 +257,9 @@ class Engine:
                     continue
                 if isinstance(step, ForwardRequest):
                     views.add(step.cache)
-                    if not views_before and self.separate_prefill:  # its first call: apart from the running batch
+                    if step.group not in groups_seen and self.separate_prefill:  # its first call of the group
+                        groups_seen.add(step.group)  # (its prompt): apart from the running batch's
                         step = dataclasses.replace(step, group=f"admitted:{step.group}")
-                    views_before = True
                 reply = yield step
         except GeneratorExit:
             raise

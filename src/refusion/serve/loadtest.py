@@ -33,6 +33,8 @@ from refusion.serve.net import is_loopback
 
 #: the most requests one loadtest sends
 MAX_REQUESTS = 100_000
+#: the most the server's RSS may grow from the first half of a run to the second and still be "steady"
+RSS_STEADY_GROWTH = 0.10
 
 
 @dataclass
@@ -253,6 +255,7 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
             "rss_mb_end": after.get("process_resident_memory_bytes", 0) / 2**20,
             "cancelled_disconnect": delta('refusion_cancelled_total{reason="disconnect"}'),
             "forward_calls": delta("refusion_forward_calls_total"),
+            "cpu_s": delta("process_cpu_seconds_total"),  # the server's CPU time over the run
         },
     }
     if check_offline:
@@ -288,6 +291,35 @@ def offline_check(outcomes: list[Outcome], prompts: list[str], card: dict, max_t
             "differ_requests": differ[:20]}
 
 
+def verdicts(r: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """The serving goals checked on a report: (goal, met, the figures it rests on), each goal once."""
+    d, srv = r["delivery"], r["server"]
+    out = [
+        ("0 errors", not r["errors"], f"errors {r['errors'] or 0}"),
+        ("every request sent", r["not_sent"] == 0, f"{r['not_sent']} not sent within the duration limit"),
+        ("nothing lost or duplicated",
+         d["lost"] == 0 and d["each_completed_once"] and d["unique_response_ids"]
+         and r["completed"] + r["disconnected"] == r["sent"],
+         f"{r['completed']} completed once each + {r['disconnected']} hung up = {r['sent']} sent; lost {d['lost']}; "
+         f"response ids unique {d['unique_response_ids']}"),
+        ("batch returns to empty", srv["batch_size_after"] == 0 and srv["queue_after"] == 0,
+         f"batch {srv['batch_size_after']}, queue {srv['queue_after']} {srv['settle_s']:.1f} s after the last "
+         f"client; {srv['cancelled_disconnect']:.0f} decodes cancelled by a hang-up"),
+    ]
+    first, second = srv["rss_mb_first_half_max"], srv["rss_mb_second_half_max"]
+    if first is not None and second is not None:
+        out.append(("memory steady", second <= first * (1 + RSS_STEADY_GROWTH),
+                    f"RSS max {first:.0f} MB in the first half of the run, {second:.0f} MB in the second "
+                    f"(steady: at most {RSS_STEADY_GROWTH:.0%} more)"))
+    if "offline" in r:
+        o = r["offline"]
+        out.append(("outputs identical to offline decodes",
+                    o["differ"] == 0 and o["compared"] == r["completed"] + r["disconnected"],
+                    f"{o['differ']} of {o['compared']} differ ({o['distinct_prompts']} distinct prompts; a hung-up "
+                    "one compared as a prefix)"))
+    return out
+
+
 def task_prompts(task: str, split: str, limit: int) -> list[str]:
     from refusion.tasks import get_task
 
@@ -318,4 +350,5 @@ def format_report(r: dict[str, Any]) -> str:
         o = r["offline"]
         lines.append(f"offline check: {o['compared']} responses against {o['distinct_prompts']} offline decodes, "
                      f"{o['differ']} differ")
+    lines += [f"{'MET' if met else 'NOT MET'}: {goal} ({why})" for goal, met, why in verdicts(r)]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import time
 import threading
 
 #: seconds: the buckets of every latency histogram
@@ -85,7 +86,7 @@ class Metrics:
             return v.count if isinstance(v, Histogram) else v
 
     def render(self) -> str:
-        """Every metric in the Prometheus text format, plus the process's resident memory."""
+        """Every metric in the Prometheus text format, plus the process's resident memory and CPU time."""
         lines: list[str] = []
         with self._lock:
             for name, (kind, help_text) in self._meta.items():
@@ -97,7 +98,9 @@ class Metrics:
                     else:
                         lines.append(f"{name}{_labels(labels)} {v!r}")
         lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {resident_bytes()}"]
+                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {resident_bytes()}",
+                  "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.",
+                  "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {time.process_time()}"]
         return "\n".join(lines) + "\n"
 
 

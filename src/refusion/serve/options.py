@@ -52,10 +52,10 @@ class DecoderPool:
 
     def __init__(self, backbone, config: dict[str, Any]) -> None:
         dec_cls, options, parts = validate_config(config)
-        if not issubclass(dec_cls, LoopDecoder) or dec_cls._decode_batch is not LoopDecoder._decode_batch:
+        if not issubclass(dec_cls, LoopDecoder) or not dec_cls.serves_batch_loop():
             raise ConfigError(f"decoder: {dec_cls.name!r} cannot be served: the server runs decoders whose loops "
-                              "share one batch cache (ar, refusion, llada, block and other LoopDecoders that keep "
-                              "the default batch)")
+                              "share one batch cache (ar, refusion, llada, block, speculative and other "
+                              "LoopDecoders whose batch runs batch_loop over new_batch_cache)")
         self.backbone = backbone
         self.config = dump_config(dec_cls.name, options)
         self.name = dec_cls.name

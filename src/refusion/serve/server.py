@@ -28,6 +28,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.state.engine.close_intake()
         super().handle_exit(sig, frame)
+        # the signal asked for the graceful shutdown above; uvicorn would raise it again once that is done
+        # (a KeyboardInterrupt out of its event loop, logged as a traceback): the command exits cleanly
+        getattr(self, "_captured_signals", []).clear()
 
 
 def make_server(state: ServeState, log_level: str = "warning", access_log: bool = False) -> _Server:
@@ -42,7 +45,10 @@ def serve_forever(state: ServeState, host: str, port: int, log_level: str = "inf
     sock = bind(host, port)
     server = make_server(state, log_level=log_level, access_log=log_level == "debug")
     print(f"serving {state.model_name!r} ({state.pool.name}) on http://{host}:{sock.getsockname()[1]}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown: the exit is clean
+        pass
 
 
 class BackgroundServer:
@@ -75,7 +81,8 @@ class BackgroundServer:
 
 def create_state(backbone, config: dict, model_name: str, model_path: str | None = None, max_batch: int = 16,
                  max_queue: int = 64, api_key: str | None = None, admit_min: int | None = None,
-                 admit_wait_s: float | None = None, **settings: Any) -> ServeState:
+                 admit_wait_s: float | None = None, call_cost_tokens: float | None | str = "auto",
+                 **settings: Any) -> ServeState:
     """The engine, decoder pool and settings of a server of ``config`` (a decoder config mapping) on
     ``backbone``; ``settings``: :class:`~refusion.serve.app.ServeState`'s (max_body_bytes, ...)."""
     from refusion.serve.engine import Engine
@@ -83,5 +90,6 @@ def create_state(backbone, config: dict, model_name: str, model_path: str | None
 
     pool = DecoderPool(backbone, config)
     admission = {k: v for k, v in (("admit_min", admit_min), ("admit_wait_s", admit_wait_s)) if v is not None}
-    engine = Engine(pool.base, max_batch=max_batch, max_queue=max_queue, **admission)
+    engine = Engine(pool.base, max_batch=max_batch, max_queue=max_queue, call_cost_tokens=call_cost_tokens,
+                    **admission)
     return ServeState(engine, pool, model_name, model_path, api_key=api_key, **settings)
