@@ -226,7 +226,10 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     if any(r["run"] == "ar" for r in rows):
         handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:green", alpha=0.1))
         labels.append(f">= {GOAL_SPEEDUP:g}x ar's tokens/s, accuracy within {GOAL_POINTS:g} points of ar")
-    legend_below(fig, handles, labels, ncol=len(labels), title="tinybench: accuracy vs decoding speed")
+    ncol = min(len(labels), 5)  # wider than five entries, the legend runs past the figure's edges
+    legend_rows = -(-len(labels) // ncol)
+    legend_below(fig, handles, labels, ncol=ncol, title="tinybench: accuracy vs decoding speed",
+                 bottom=0.02 + 0.065 * legend_rows)
     return save(fig, out, "bench")
 
 
