@@ -225,11 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refit", type=Path, metavar="DIR", help="analyse DIR/profiles.json again; decode nothing")
     a = ap.parse_args(argv)
     if a.calibrate < 1:
-        raise SystemExit("--calibrate: need at least 1 validation sample per task")
+        ap.error("--calibrate: need at least 1 validation sample per task")
     if a.refit is not None:
         path = a.refit / "profiles.json"
         if not path.is_file():
-            raise SystemExit(f"--refit: no {path} (written by a run of this script with --out {a.refit})")
+            ap.error(f"--refit: no {path} (written by a run of this script with --out {a.refit})")
         analyse(json.loads(path.read_text()), a.refit)
         return 0
     torch.set_num_threads(1)
