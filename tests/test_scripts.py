@@ -193,8 +193,8 @@ def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):
     from refusion.models.backend import ForwardShape
 
     coef = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_segments": 3.8e-3, "fixed_ragged": 4.2e-3,
-            "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "key": 2e-7, "pair": 3e-9,
-            "logit": 6e-6}
+            "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "narrow": 3e-4, "key": 2e-7,
+            "pair": 3e-9, "logit": 6e-6}
     truth, loop = CostModel(coef), {"ar": LoopCost(0.0, 2e-4), "block": LoopCost(1e-3, 3e-4)}
     grid = []
     for kind, rows, fed, past, logits in GRID:

@@ -14,7 +14,8 @@ from refusion.models.backend import ForwardShape
 from refusion.models.kvcache import RaggedCache
 
 KNOWN = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_segments": 3.8e-3, "fixed_ragged": 4.2e-3,
-         "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "key": 2e-7, "pair": 3e-9, "logit": 6e-6}
+         "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "narrow": 3e-4, "key": 2e-7, "pair": 3e-9,
+         "logit": 6e-6}
 
 
 def synthetic(coef: dict[str, float], noise: float = 0.0, seed: int = 0) -> list[ForwardShape]:
@@ -67,8 +68,8 @@ def test_features_and_model_validation_name_the_field():
     with pytest.raises(ValueError, match="coef: missing"):
         CostModel({"token": 1.0})
     s = ForwardShape(rows=2, fed=3, past=5, logits_rows=2, kind="ragged")
-    assert features(s) == [0, 0, 0, 1, 0, 2, 6, 16, 48, 2]
-    assert features(ForwardShape(rows=2, fed=3, past=5, logits_rows=2, kind="segments")) == [0, 0, 1, 0, 0, 0, 6, 16, 48, 2]
+    assert features(s) == [0, 0, 0, 1, 0, 2, 6, 4, 16, 48, 2]
+    assert features(ForwardShape(rows=1, fed=3, past=5, logits_rows=2, kind="segments")) == [0, 0, 1, 0, 0, 0, 3, 3, 8, 24, 2]
     with pytest.raises(ValueError, match="coef: unknown \\['speed'\\]"):
         CostModel({**KNOWN, "speed": 1.0})
 

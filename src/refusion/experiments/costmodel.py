@@ -3,13 +3,14 @@
 A forward (:class:`~refusion.models.backend.ForwardShape`: ``rows`` sequences of ``fed`` new tokens after
 ``past`` cached columns, ``logits_rows`` rows through the output head, its ``kind``) costs
 
-    t = fixed[kind] + ragged_row * rows [ragged kinds] + token * rows*fed + key * rows*(past+fed)
-        + pair * rows*fed*(past+fed) + logit * logits_rows
+    t = fixed[kind] + ragged_row * rows [ragged kinds] + token * rows*fed + narrow * min(rows*fed, 4)
+        + key * rows*(past+fed) + pair * rows*fed*(past+fed) + logit * logits_rows
 
 seconds: a fixed per-call cost (Python, dispatch, kernel launches; one per kind, since a ragged batch's
 call builds a mask and gathers rows that a dense causal call does not, and a block-causal mask is built
 from segment ids), a per-row cost of a batch's shared cache (its Python per request: padding, the
-per-row mask, the output-head index), per-token compute (the layers' matmuls), per key read (the KV each
+per-row mask, the output-head index), per-token compute (the layers' matmuls, each of a call's first few
+tokens costing more: a narrow matmul runs below its per-token speed), per key read (the KV each
 row attends over, and the ragged cache's gather of it), per query-key pair (the attention scores) and
 per logits row (the output head over the vocabulary). :func:`fit` finds the non-negative coefficients
 from timed forwards (:func:`measure`, as ``scripts/forward_cost.py`` runs it) by least squares on the
@@ -39,7 +40,11 @@ if TYPE_CHECKING:
 KINDS = ("causal", "masked", "segments", "ragged", "ragged_masked")
 RAGGED_KINDS = ("ragged", "ragged_masked")
 #: coefficient names, in feature order: a fixed cost per kind, then the per-unit costs
-FEATURES = tuple(f"fixed_{k}" for k in KINDS) + ("ragged_row", "token", "key", "pair", "logit")
+FEATURES = tuple(f"fixed_{k}" for k in KINDS) + ("ragged_row", "token", "narrow", "key", "pair", "logit")
+#: the tokens of a call up to which each costs ``narrow`` on top of ``token``: the layers' matmuls over one
+#: to a few tokens run below their per-token speed (on the CPU: 1 token fed ~4.9 ms, 4 ~6.0, 16 ~7.4, 64
+#: ~12.0, one call of tiny-ar), which one linear per-token cost would price as a higher fixed cost
+NARROW_TOKENS = 4
 
 
 def features(shape: ForwardShape) -> list[float]:
@@ -47,9 +52,10 @@ def features(shape: ForwardShape) -> list[float]:
     if shape.kind not in KINDS:
         raise ValueError(f"kind: {shape.kind!r} is not one of {KINDS}")
     keys = shape.past + shape.fed
+    tokens = shape.rows * shape.fed
     return [float(shape.kind == k) for k in KINDS] + [
-        float(shape.rows if shape.kind in RAGGED_KINDS else 0), float(shape.rows * shape.fed),
-        float(shape.rows * keys), float(shape.rows * shape.fed * keys), float(shape.logits_rows)]
+        float(shape.rows if shape.kind in RAGGED_KINDS else 0), float(tokens), float(min(tokens, NARROW_TOKENS)),
+        float(shape.rows * keys), float(tokens * keys), float(shape.logits_rows)]
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class CostModel:
                  "fixed_ragged": ("ms per call, ragged batch, causal", 1e3),
                  "fixed_ragged_masked": ("ms per call, ragged batch, full / block-causal", 1e3),
                  "ragged_row": ("us per row of a ragged batch", 1e6), "token": ("us per token fed", 1e6),
+                 "narrow": (f"us more per token of a call's first {NARROW_TOKENS}", 1e6),
                  "key": ("ns per key attended over (per row)", 1e9), "pair": ("ns per query-key pair", 1e9),
                  "logit": ("us per logits row", 1e6)}
         lines = ["| term | value | unit |", "|---|---|---|"]
@@ -108,7 +115,7 @@ class CostModel:
 def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> CostModel:
     """The :class:`CostModel` whose non-negative coefficients minimise the squared relative error over
     ``shapes`` (each with ``seconds``). Exact non-negative least squares: every subset of the features
-    the data exercise is solved unconstrained and the best feasible one kept (10 features: 1,023 solves).
+    the data exercise is solved unconstrained and the best feasible one kept (11 features: 2,047 solves).
     A feature no shape exercises (a kind never measured) gets coefficient 0."""
     timed = [s for s in shapes if s.seconds is not None and s.seconds > 0]
     if len(timed) < 2:
@@ -329,7 +336,7 @@ def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, effic
     flops = gpu["flops"] * efficiency
     weights_bytes = (layers * layer_weights + shape["vocab"] * h) * bytes_per_value
     fixed = fixed_s + weights_bytes / gpu["bandwidth"]
-    coef = {**{f"fixed_{k}": fixed for k in KINDS}, "ragged_row": 0.0,
+    coef = {**{f"fixed_{k}": fixed for k in KINDS}, "ragged_row": 0.0, "narrow": 0.0,
             "token": 2 * layers * layer_weights / flops, "logit": 2 * shape["vocab"] * h / flops,
             "pair": 4 * shape["head_dim"] * shape["heads"] * layers / flops,
             "key": 2 * kv * layers * bytes_per_value / gpu["bandwidth"]}
