@@ -4,6 +4,7 @@
         [--tasks arith,code,facts] [--limit 16] [--batch-sizes 1,4,16] [--calibrate 4] [--calibrate-batch 16]
         [--repeats 7] [--compile [MODE]] [--clock wall|cpu] [--out runs/cost_model]
     .venv/bin/python scripts/cost_model.py --refit runs/cost_model   # the analysis again, from profiles.json
+    .venv/bin/python scripts/cost_model.py --refit runs/a runs/b --out runs/ab   # two runs pooled
 
 1. Fits :mod:`refusion.experiments.costmodel` on timed forwards of every shape of its grid through the
    decoders' caches (the first decoder's model; the shipped tiny models share one shape), timed before
@@ -20,7 +21,8 @@
    measured aggregate tokens/s, the predicted one (the recorded forwards priced by the fit, plus the loop
    cost), their relative difference and the fixed per-call cost's share of the predicted time. Every
    timed forward of the grid and every decode's profile go to ``OUT/profiles.json``, from which
-   ``--refit OUT`` repeats steps 1-4 without decoding.
+   ``--refit OUT`` repeats steps 1, 2 and 4 without decoding; ``--refit A B`` pools two runs' measurements
+   (the grid's timings, the calibration decodes and each cell's decodes: their tokens and times summed).
 4. Predicts each decoder's tokens/s over AR's at batch 1, 4, 16, 32 and 64 and its crossover batch size
    against AR (the first size at which AR's tokens/s reaches it) per task: on this CPU (the fit above)
    and on an H100-class GPU by assumption (:func:`refusion.experiments.costmodel.roofline` for a 0.6B
@@ -143,6 +145,23 @@ def collect(a, clock) -> dict:
             "model": runs[0].model, "grid": shapes_to_json(timed), "calibration": calibration, "test": test_profiles}
 
 
+def pool(runs: list[dict]) -> dict:
+    """Several runs' measurements as one: every timed grid forward, every calibration decode and, per
+    (decoder, task, batch size), every test decode (their tokens and times summed when merged)."""
+    first = runs[0]
+    keys = ("decoders", "tasks", "batch_sizes", "clock", "compile", "model")
+    for other in runs[1:]:
+        for k in keys:
+            if other[k] != first[k]:
+                raise SystemExit(f"--refit: the runs differ in {k}: {first[k]!r} and {other[k]!r}")
+    out = {**first, "grid": [s for r in runs for s in r["grid"]],
+           "calibration": {label: [d for r in runs for d in r["calibration"][label]] for label in first["calibration"]},
+           "test": {k: [d for r in runs for d in r["test"][k]] for k in first["test"]}}
+    if len(runs) > 1:
+        out["pooled_runs"] = len(runs)
+    return out
+
+
 def analyse(data: dict, out: Path) -> None:
     """Steps 1, 2 and 4 from :func:`collect`'s measurements: the fit, the loop costs, the predictions."""
     labels, tasks, sizes = data["decoders"], data["tasks"], data["batch_sizes"]
@@ -222,15 +241,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall time (default), or this thread's CPU time: the work alone, on a CPU shared with "
                          "other processes (one torch thread)")
     ap.add_argument("--out", type=Path, default=Path("runs/cost_model"))
-    ap.add_argument("--refit", type=Path, metavar="DIR", help="analyse DIR/profiles.json again; decode nothing")
+    ap.add_argument("--refit", type=Path, nargs="+", metavar="DIR",
+                    help="analyse DIR/profiles.json again, decoding nothing; several DIRs (runs of the same "
+                         "decoders, tasks and batch sizes) are pooled and the analysis goes to --out")
     a = ap.parse_args(argv)
     if a.calibrate < 1:
         ap.error("--calibrate: need at least 1 validation sample per task")
-    if a.refit is not None:
-        path = a.refit / "profiles.json"
-        if not path.is_file():
-            ap.error(f"--refit: no {path} (written by a run of this script with --out {a.refit})")
-        analyse(json.loads(path.read_text()), a.refit)
+    if a.refit:
+        runs = []
+        for folder in a.refit:
+            path = folder / "profiles.json"
+            if not path.is_file():
+                ap.error(f"--refit: no {path} (written by a run of this script with --out {folder})")
+            runs.append(json.loads(path.read_text()))
+        analyse(pool(runs), a.refit[0] if len(a.refit) == 1 else a.out)
         return 0
     torch.set_num_threads(1)
     data = collect(a, CLOCKS[a.clock])

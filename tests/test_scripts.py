@@ -223,5 +223,8 @@ def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):
     result = json.loads((tmp_path / "cost_model.json").read_text())
     assert all(abs(r["error"]) < 1e-6 for r in result["rows"])
     assert result["loop"]["block"]["per_call"] == pytest.approx(1e-3)
+    assert run_script("cost_model.py", "--refit", str(tmp_path), str(tmp_path), "--out", str(tmp_path / "both")) == 0
+    assert "4 of 4 rows within 15%" in capsys.readouterr().out  # two runs pooled
+    assert (tmp_path / "both" / "cost_model.json").is_file()
     assert run_script("cost_model.py", "--refit", str(tmp_path / "none")) == 2
     assert "--refit: no" in capsys.readouterr().err
