@@ -1,20 +1,28 @@
 """The forward cost model against measured decodes: predicted vs measured tokens/s per decoder and batch size.
 
     .venv/bin/python scripts/cost_model.py [--decoders ar,refusion,llada,block,spec-diffusion]
-        [--tasks arith,code,facts] [--limit 16] [--batch-sizes 1,4,16] [--calibrate 4] [--repeats 7]
-        [--compile [MODE]] [--out runs/cost_model]
+        [--tasks arith,code,facts] [--limit 16] [--batch-sizes 1,4,16] [--calibrate 4] [--calibrate-batch 16]
+        [--repeats 7] [--compile [MODE]] [--clock wall|cpu] [--out runs/cost_model]
+    .venv/bin/python scripts/cost_model.py --refit runs/cost_model   # the analysis again, from profiles.json
+    .venv/bin/python scripts/cost_model.py --refit runs/a runs/b --out runs/ab   # two runs pooled
 
 1. Fits :mod:`refusion.experiments.costmodel` on timed forwards of every shape of its grid through the
    decoders' caches (the first decoder's model; the shipped tiny models share one shape), timed before
-   and again after the decodes (the machine's load drifts), and prints the coefficients.
-2. Calibrates each decoder's loop cost (seconds of work outside forwards per sequence-forward) on
-   ``--calibrate`` validation samples per task at batch size 1.
+   the decodes and again after each task's (the machine's load drifts; pooled), and prints the
+   coefficients.
+2. Calibrates each decoder's loop cost (:class:`~refusion.experiments.costmodel.LoopCost`: seconds of work
+   outside forwards per model call and per sequence-forward) on validation decodes: ``--calibrate``
+   samples per task one by one, and the first ``--calibrate-batch`` samples per task in one batch (0: none;
+   then the loop cost is per sequence-forward alone).
 3. Decodes the first ``--limit`` test samples per task with each decoder at each batch size, in chunks
-   interleaved by their first sample (the bench's order), each (decoder, batch size) after one untimed
-   warm-up chunk; records every forward's shape (``Backbone.forward_log``, drafter models included) and
-   prints, per decoder, task and batch size, the measured aggregate tokens/s, the predicted one (the
-   recorded forwards priced by the fit, plus the loop cost), their relative difference and the fixed
-   per-call cost's share of the predicted time.
+   interleaved by their first sample (the bench's order; the calibration decodes among them), each
+   (decoder, batch size) after one untimed warm-up chunk; records every forward's shape
+   (``Backbone.forward_log``, drafter models included) and prints, per decoder, task and batch size, the
+   measured aggregate tokens/s, the predicted one (the recorded forwards priced by the fit, plus the loop
+   cost), their relative difference and the fixed per-call cost's share of the predicted time. Every
+   timed forward of the grid and every decode's profile go to ``OUT/profiles.json``, from which
+   ``--refit OUT`` repeats steps 1, 2 and 4 without decoding; ``--refit A B`` pools two runs' measurements
+   (the grid's timings, the calibration decodes and each cell's decodes: their tokens and times summed).
 4. Predicts each decoder's tokens/s over AR's at batch 1, 4, 16, 32 and 64 and its crossover batch size
    against AR (the first size at which AR's tokens/s reaches it) per task: on this CPU (the fit above)
    and on an H100-class GPU by assumption (:func:`refusion.experiments.costmodel.roofline` for a 0.6B
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -38,8 +47,7 @@ from refusion.experiments.costmodel import (
     EAGER_FIXED_S, GRAPH_FIXED_S, H100, QWEN3_0_6B, DecodeProfile, calibrate_loop, crossover, fit, measure,
     predict_decode, predicted_rates, roofline,
 )
-from refusion.experiments.tables import markdown
-from refusion.models.backend import Backbone
+from refusion.models.backend import Backbone, ForwardShape
 from refusion.models.tokenizer import encode_prompt
 from refusion.tasks import get_task
 
@@ -79,20 +87,142 @@ def merge(profiles: list[DecodeProfile]) -> DecodeProfile:
                          sum(p.tokens for p in profiles), sum(p.wall_s for p in profiles))
 
 
-def measured_table(rows: list[dict]) -> str:
-    """Measured against predicted tokens/s per decoder, task and batch size (Markdown)."""
-    return markdown(["decoder", "task", "batch", "measured tok/s", "predicted tok/s", "error",
-                     "fixed share of predicted time", "calls"],
-                    [[r["decoder"], r["task"], str(r["batch_size"]), f"{r['measured_tokens_per_second']:.0f}",
-                      f"{r['predicted_tokens_per_second']:.0f}", f"{100 * r['error']:+.1f}%",
-                      f"{100 * r['fixed_s'] / r['predicted_s']:.0f}%", str(r["calls"])] for r in rows])
+def shapes_to_json(shapes: list[ForwardShape]) -> list[list]:
+    return [[s.rows, s.fed, s.past, s.logits_rows, s.kind, s.seconds] for s in shapes]
 
 
-def predictions_table(table: list[dict], sizes: list[int]) -> str:
-    """Predicted tokens/s over AR's at each batch size and the crossover, per decoder and task (Markdown)."""
-    return markdown(["decoder", "task", *[f"batch {s}" for s in sizes], "crossover"],
-                    [[r["decoder"], r["task"], *[f"{v:.2f}" for v in r["vs_ar"].values()],
-                      str(r["crossover"] or "> " + str(sizes[-1]))] for r in table])
+def profile_to_json(p: DecodeProfile) -> dict:
+    return {"shapes": shapes_to_json(p.shapes), "sequence_forwards": p.sequence_forwards, "tokens": p.tokens,
+            "wall_s": p.wall_s}
+
+
+def profile_from_json(d: dict) -> DecodeProfile:
+    return DecodeProfile([ForwardShape(*s) for s in d["shapes"]], d["sequence_forwards"], d["tokens"], d["wall_s"])
+
+
+def collect(a, clock) -> dict:
+    """Steps 1-3's measurements: the timed grid, the calibration and the test decodes' profiles."""
+    tasks = [t for t in a.tasks.split(",") if t]
+    sizes = sorted({int(x) for x in a.batch_sizes.split(",") if x.strip()})
+    cfg = load_bench_config()
+    runs = bench_runs(cfg, [d for d in a.decoders.split(",") if d], tasks)
+    bbs = {m: Backbone.from_pretrained(m, compile=a.compile) for m in dict.fromkeys(r.model for r in runs)}
+    decoders = {(r.label, t): build_decoder(bbs[r.model], r.configs[t]) for r in runs for t in tasks}
+    grid_bb = bbs[runs[0].model]
+    timed = measure(grid_bb, repeats=a.repeats, clock=clock)  # again after each task's decodes: pooled
+
+    def prompts(task: str, split: str, n: int) -> dict[str, list[list[int]]]:
+        exs = get_task(task).examples(split, n)
+        return {m: [encode_prompt(bb.tokenizer, e.query) for e in exs] for m, bb in bbs.items()}
+
+    test = {t: prompts(t, "test", a.limit) for t in tasks}
+    val = {t: prompts(t, "validation", max(a.calibrate, a.calibrate_batch)) for t in tasks}
+    for r in runs:  # warm-up per (decoder, batch size)
+        for size in sorted({*sizes, a.calibrate_batch} - {0}):
+            decode(decoders[r.label, tasks[0]], test[tasks[0]][r.model][:size])
+    # (task, first sample, split, decoder, size): test chunks and calibration decodes interleaved
+    chunks = [(ti, first, "test", ri, size) for ti in range(len(tasks)) for ri in range(len(runs)) for size in sizes
+              for first in range(0, a.limit, size)]
+    chunks += [(ti, first, "validation", ri, 1) for ti in range(len(tasks)) for ri in range(len(runs))
+               for first in range(a.calibrate)]
+    if a.calibrate_batch:
+        chunks += [(ti, 0, "validation", ri, a.calibrate_batch) for ti in range(len(tasks)) for ri in range(len(runs))]
+    chunks.sort()
+    test_profiles: dict[str, list[dict]] = {}
+    calibration: dict[str, list[dict]] = {}
+    for i, (ti, first, split, ri, size) in enumerate(chunks):
+        r, t = runs[ri], tasks[ti]
+        ps = (test if split == "test" else val)[t][r.model][first:first + size]
+        profile, _ = decode(decoders[r.label, t], ps, clock)
+        if split == "test":
+            test_profiles.setdefault(f"{r.label}|{t}|{size}", []).append(profile_to_json(profile))
+        else:
+            calibration.setdefault(r.label, []).append({"task": t, "batch_size": size, **profile_to_json(profile)})
+        if i + 1 == len(chunks) or chunks[i + 1][0] != ti:  # a task's decodes are done
+            timed += measure(grid_bb, repeats=a.repeats, clock=clock)
+    return {"decoders": [r.label for r in runs], "tasks": tasks, "batch_sizes": sizes, "limit": a.limit,
+            "calibrate": a.calibrate, "calibrate_batch": a.calibrate_batch, "clock": a.clock, "compile": a.compile,
+            "model": runs[0].model, "grid": shapes_to_json(timed), "calibration": calibration, "test": test_profiles}
+
+
+def pool(runs: list[dict]) -> dict:
+    """Several runs' measurements as one: every timed grid forward, every calibration decode and, per
+    (decoder, task, batch size), every test decode (their tokens and times summed when merged)."""
+    first = runs[0]
+    keys = ("decoders", "tasks", "batch_sizes", "clock", "compile", "model")
+    for other in runs[1:]:
+        for k in keys:
+            if other[k] != first[k]:
+                raise SystemExit(f"--refit: the runs differ in {k}: {first[k]!r} and {other[k]!r}")
+    out = {**first, "grid": [s for r in runs for s in r["grid"]],
+           "calibration": {label: [d for r in runs for d in r["calibration"][label]] for label in first["calibration"]},
+           "test": {k: [d for r in runs for d in r["test"][k]] for k in first["test"]}}
+    if len(runs) > 1:
+        out["pooled_runs"] = len(runs)
+    return out
+
+
+def analyse(data: dict, out: Path) -> None:
+    """Steps 1, 2 and 4 from :func:`collect`'s measurements: the fit, the loop costs, the predictions."""
+    labels, tasks, sizes = data["decoders"], data["tasks"], data["batch_sizes"]
+    model = fit([ForwardShape(*s) for s in data["grid"]], device="cpu, 1 thread",
+                note=f"{data['model']}, compile {data['compile']}, {data['clock']} clock, grid timed before the decodes "
+                     "and after each task's")
+    print(f"forward cost model ({model.note}; fit error median {100 * model.fit_error['median']:.1f}%, "
+          f"max {100 * model.fit_error['max']:.1f}%)\n{model.markdown()}")
+    # one profile per (task, batch size) of the calibration decodes
+    loop = {}
+    for label in labels:
+        groups: dict[tuple[str, int], list[DecodeProfile]] = {}
+        for d in data["calibration"][label]:
+            groups.setdefault((d["task"], d["batch_size"]), []).append(profile_from_json(d))
+        loop[label] = calibrate_loop(model, [merge(ps) for ps in groups.values()])
+    got = {tuple(k.split("|")[:2]) + (int(k.split("|")[2]),): merge([profile_from_json(d) for d in v])
+           for k, v in data["test"].items()}
+    rows = []
+    for label in labels:
+        for t in tasks:
+            for size in sizes:
+                pred = predict_decode(model, got[label, t, size], loop[label])
+                rows.append({"decoder": label, "task": t, "batch_size": size, **pred})
+    print("loop cost (ms per call + per sequence-forward): " + ", ".join(
+        f"{k} {1e3 * v.per_call:.3f} + {1e3 * v.per_sequence:.3f}" for k, v in loop.items()))
+    print("\n| decoder | task | batch | measured tok/s | predicted tok/s | error | fixed share of predicted time | calls |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['decoder']} | {row['task']} | {row['batch_size']} | {row['measured_tokens_per_second']:.0f} | "
+              f"{row['predicted_tokens_per_second']:.0f} | {100 * row['error']:+.1f}% | "
+              f"{100 * row['fixed_s'] / row['predicted_s']:.0f}% | {row['calls']} |")
+    worst = max(rows, key=lambda x: abs(x["error"]))
+    print(f"\nlargest error: {100 * worst['error']:+.1f}% ({worst['decoder']}, {worst['task']}, batch {worst['batch_size']}); "
+          f"{sum(abs(x['error']) <= 0.15 for x in rows)} of {len(rows)} rows within 15%")
+    predictions = {}
+    for where, cost in (("this CPU", model), ("H100, eager (assumed)", roofline(QWEN3_0_6B, H100, EAGER_FIXED_S)),
+                        ("H100, CUDA graphs (assumed)", roofline(QWEN3_0_6B, H100, GRAPH_FIXED_S))):
+        rates = {(label, t): predicted_rates(cost, {s: got[label, t, s] for s in sizes}, loop[label])
+                 for label in labels for t in tasks}
+        table = []
+        for label in labels:
+            for t in tasks:
+                ar = rates.get(("ar", t))
+                if ar is None or label == "ar":
+                    continue
+                mine = rates[label, t]
+                table.append({"decoder": label, "task": t, "vs_ar": {s: mine[s] / ar[s] for s in mine},
+                              "crossover": crossover(mine, ar)})
+        predictions[where] = table
+        if table:
+            sizes_shown = list(table[0]["vs_ar"])
+            print(f"\npredicted tokens/s over AR's, {where}\n| decoder | task | " +
+                  " | ".join(f"batch {s}" for s in sizes_shown) + " | crossover |\n|---|---|" + "---|" * (len(sizes_shown) + 1))
+            for row in table:
+                print(f"| {row['decoder']} | {row['task']} | " + " | ".join(f"{v:.2f}" for v in row["vs_ar"].values()) +
+                      f" | {row['crossover'] or '> ' + str(sizes_shown[-1])} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost_model.json").write_text(json.dumps({
+        "model": model.as_dict(), "loop": {k: asdict(v) for k, v in loop.items()}, "rows": rows,
+        "limit": data["limit"], "calibrate": data["calibrate"], "calibrate_batch": data["calibrate_batch"],
+        "predictions": predictions}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,89 +231,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="arith,code,facts")
     ap.add_argument("--limit", type=int, default=16, help="test samples per task")
     ap.add_argument("--batch-sizes", default="1,4,16")
-    ap.add_argument("--calibrate", type=int, default=4, help="validation samples per task for the loop cost")
+    ap.add_argument("--calibrate", type=int, default=4, help="validation samples per task decoded one by one "
+                                                             "for the loop cost")
+    ap.add_argument("--calibrate-batch", type=int, default=16, help="validation samples per task decoded in one "
+                                                                    "batch for the loop cost (0: none)")
     ap.add_argument("--repeats", type=int, default=7, help="timed rounds of the forward grid")
     ap.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE")
     ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
                     help="wall time (default), or this thread's CPU time: the work alone, on a CPU shared with "
                          "other processes (one torch thread)")
     ap.add_argument("--out", type=Path, default=Path("runs/cost_model"))
+    ap.add_argument("--refit", type=Path, nargs="+", metavar="DIR",
+                    help="analyse DIR/profiles.json again, decoding nothing; several DIRs (runs of the same "
+                         "decoders, tasks and batch sizes) are pooled and the analysis goes to --out")
     a = ap.parse_args(argv)
-    clock = CLOCKS[a.clock]
+    if a.calibrate < 1:
+        ap.error("--calibrate: need at least 1 validation sample per task")
+    if a.refit:
+        runs = []
+        for folder in a.refit:
+            path = folder / "profiles.json"
+            if not path.is_file():
+                ap.error(f"--refit: no {path} (written by a run of this script with --out {folder})")
+            runs.append(json.loads(path.read_text()))
+        analyse(pool(runs), a.refit[0] if len(a.refit) == 1 else a.out)
+        return 0
     torch.set_num_threads(1)
-    tasks = [t for t in a.tasks.split(",") if t]
-    sizes = sorted({int(x) for x in a.batch_sizes.split(",") if x.strip()})
-    cfg = load_bench_config()
-    runs = bench_runs(cfg, [d for d in a.decoders.split(",") if d], tasks)
-    bbs = {m: Backbone.from_pretrained(m, compile=a.compile) for m in dict.fromkeys(r.model for r in runs)}
-    decoders = {(r.label, t): build_decoder(bbs[r.model], r.configs[t]) for r in runs for t in tasks}
-
-    timed = measure(bbs[runs[0].model], repeats=a.repeats, clock=clock)  # again after the decodes: pooled
-
-    def prompts(task: str, split: str, n: int) -> dict[str, list[list[int]]]:
-        exs = get_task(task).examples(split, n)
-        return {m: [encode_prompt(bb.tokenizer, e.query) for e in exs] for m, bb in bbs.items()}
-
-    calibration: dict[str, DecodeProfile] = {}
-    for r in runs:  # loop cost per sequence-forward, from batch-1 decodes of validation samples
-        parts = []
-        for t in tasks:
-            ps = prompts(t, "validation", a.calibrate)[r.model]
-            decode(decoders[r.label, t], ps[:1])  # warm-up
-            parts += [decode(decoders[r.label, t], [p], clock)[0] for p in ps]
-        calibration[r.label] = merge(parts)
-
-    test = {t: prompts(t, "test", a.limit) for t in tasks}
-    for r in runs:  # warm-up per (decoder, batch size)
-        for size in sizes:
-            decode(decoders[r.label, tasks[0]], test[tasks[0]][r.model][:size])
-    chunks = sorted((ti, first, ri, size) for ti in range(len(tasks)) for ri in range(len(runs)) for size in sizes
-                    for first in range(0, a.limit, size))
-    got: dict[tuple[str, str, int], list[DecodeProfile]] = {}
-    for ti, first, ri, size in chunks:
-        r, t = runs[ri], tasks[ti]
-        profile, _ = decode(decoders[r.label, t], test[t][r.model][first:first + size], clock)
-        got.setdefault((r.label, t, size), []).append(profile)
-
-    timed += measure(bbs[runs[0].model], repeats=a.repeats, clock=clock)
-    model = fit(timed, device="cpu, 1 thread", note=f"{runs[0].model}, compile {a.compile}, {a.clock} clock, "
-                                                     "grid timed before and after the decodes")
-    print(f"forward cost model ({model.note}; fit error median {100 * model.fit_error['median']:.1f}%, "
-          f"max {100 * model.fit_error['max']:.1f}%)\n{model.markdown()}")
-    loop = {label: calibrate_loop(model, p) for label, p in calibration.items()}
-    rows = []
-    for r in runs:
-        for t in tasks:
-            for size in sizes:
-                pred = predict_decode(model, merge(got[r.label, t, size]), loop[r.label])
-                rows.append({"decoder": r.label, "task": t, "batch_size": size, **pred})
-    print(f"loop cost per sequence-forward (ms): " + ", ".join(f"{k} {1e3 * v:.3f}" for k, v in loop.items()))
-    print("\n" + measured_table(rows), end="")
-    worst = max(rows, key=lambda x: abs(x["error"]))
-    print(f"\nlargest error: {100 * worst['error']:+.1f}% ({worst['decoder']}, {worst['task']}, batch {worst['batch_size']}); "
-          f"{sum(abs(x['error']) <= 0.15 for x in rows)} of {len(rows)} rows within 15%")
-    predictions = {}
-    for where, cost in (("this CPU", model), ("H100, eager (assumed)", roofline(QWEN3_0_6B, H100, EAGER_FIXED_S)),
-                        ("H100, CUDA graphs (assumed)", roofline(QWEN3_0_6B, H100, GRAPH_FIXED_S))):
-        rates = {(r.label, t): predicted_rates(cost, {s: merge(got[r.label, t, s]) for s in sizes}, loop[r.label])
-                 for r in runs for t in tasks}
-        table = []
-        for r in runs:
-            for t in tasks:
-                ar = rates.get(("ar", t))
-                if ar is None or r.label == "ar":
-                    continue
-                mine = rates[r.label, t]
-                table.append({"decoder": r.label, "task": t, "vs_ar": {s: mine[s] / ar[s] for s in mine},
-                              "crossover": crossover(mine, ar)})
-        predictions[where] = table
-        if table:
-            sizes_shown = list(table[0]["vs_ar"])
-            print(f"\npredicted tokens/s over AR's, {where}\n" + predictions_table(table, sizes_shown), end="")
+    data = collect(a, CLOCKS[a.clock])
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "cost_model.json").write_text(json.dumps({"model": model.as_dict(), "loop_s": loop, "rows": rows,
-                                                       "limit": a.limit, "calibrate": a.calibrate,
-                                                       "predictions": predictions}, indent=1))
+    (a.out / "profiles.json").write_text(json.dumps(data))
+    analyse(data, a.out)
     return 0
 
 

@@ -160,7 +160,7 @@ def forward_cost(backbone: Backbone, device: str) -> dict:
     """The cost model fitted on :data:`GPU_GRID` here, and the loop cost per sequence-forward of each decoder
     whose batch-1 decode was recorded."""
     model = fit(time_forwards(backbone, GPU_GRID, repeats=3), device=device, note="gpu_bench grid")
-    loop = {name: calibrate_loop(model, p) for (name, size), p in PROFILES.items() if size == 1}
+    loop = {name: calibrate_loop(model, p).per_sequence for (name, size), p in PROFILES.items() if size == 1}
     return {"model": model.as_dict(), "loop_s": loop}
 
 

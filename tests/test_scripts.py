@@ -197,3 +197,47 @@ def test_serve_bench_runs_the_goal_and_the_ratio_on_a_small_load(tmp_path, capsy
     assert result["goal"]["disconnected"] == 2 and result["goal"]["offline"]["differ"] == 0
     assert result["ratio"]["same_tokens"] and result["ratio"]["ratio_low"] <= result["ratio"]["ratio"]
     assert "| block |" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):
+    """--refit analyses a saved profiles.json: decodes timed by a known forward cost and loop cost (per call and
+    per sequence-forward) are predicted exactly, at batch 1 and in a ragged batch."""
+    from refusion.experiments.costmodel import GRID, CostModel, DecodeProfile, LoopCost
+    from refusion.models.backend import ForwardShape
+
+    coef = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_segments": 3.8e-3, "fixed_ragged": 4.2e-3,
+            "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "narrow": 3e-4, "key": 2e-7,
+            "pair": 3e-9, "logit": 6e-6}
+    truth, loop = CostModel(coef), {"ar": LoopCost(0.0, 2e-4), "block": LoopCost(1e-3, 3e-4)}
+    grid = []
+    for kind, rows, fed, past, logits in GRID:
+        s = ForwardShape(rows, fed, past, rows * (fed if logits == "all" else 1), kind)
+        grid.append([s.rows, s.fed, s.past, s.logits_rows, s.kind, truth.predict(s)])
+
+    def profile(label: str, size: int, steps: int) -> dict:
+        if label == "ar":
+            kind, fed, per_step = ("causal" if size == 1 else "ragged"), 1, 1
+        else:
+            kind, fed, per_step = ("segments" if size == 1 else "ragged_masked"), 8, 4
+        shapes = [ForwardShape(size, fed, 20 + 3 * i, size * fed, kind) for i in range(steps)]
+        p = DecodeProfile(shapes, steps * size, steps * size * per_step, 0.0)
+        wall = truth.total(shapes)[0] + loop[label].seconds(p)
+        return {"shapes": [[s.rows, s.fed, s.past, s.logits_rows, s.kind, None] for s in shapes],
+                "sequence_forwards": p.sequence_forwards, "tokens": p.tokens, "wall_s": wall}
+
+    data = {"decoders": ["ar", "block"], "tasks": ["facts"], "batch_sizes": [1, 4], "limit": 4, "calibrate": 1,
+            "calibrate_batch": 4, "clock": "cpu", "compile": None, "model": "tiny-ar", "grid": grid,
+            "calibration": {label: [{"task": "facts", "batch_size": b, **profile(label, b, 9 + b)} for b in (1, 4)]
+                            for label in loop},
+            "test": {f"{label}|facts|{b}": [profile(label, b, 12)] for label in loop for b in (1, 4)}}
+    (tmp_path / "profiles.json").write_text(json.dumps(data))
+    assert run_script("cost_model.py", "--refit", str(tmp_path)) == 0
+    assert "4 of 4 rows within 15%" in capsys.readouterr().out
+    result = json.loads((tmp_path / "cost_model.json").read_text())
+    assert all(abs(r["error"]) < 1e-6 for r in result["rows"])
+    assert result["loop"]["block"]["per_call"] == pytest.approx(1e-3)
+    assert run_script("cost_model.py", "--refit", str(tmp_path), str(tmp_path), "--out", str(tmp_path / "both")) == 0
+    assert "4 of 4 rows within 15%" in capsys.readouterr().out  # two runs pooled
+    assert (tmp_path / "both" / "cost_model.json").is_file()
+    assert run_script("cost_model.py", "--refit", str(tmp_path / "none")) == 2
+    assert "--refit: no" in capsys.readouterr().err

@@ -5,15 +5,17 @@ import numpy as np
 import pytest
 import torch
 
-from refusion.core.loop import FULL, ForwardRequest
+from refusion.core.loop import FULL, Attention, ForwardRequest
 from refusion.experiments.costmodel import (
-    FEATURES, GRID, CostModel, DecodeProfile, calibrate_loop, crossover, features, fit, predict_decode, scale_rows,
+    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, calibrate_loop, crossover, features, fit, predict_decode,
+    scale_rows,
 )
 from refusion.models.backend import ForwardShape
 from refusion.models.kvcache import RaggedCache
 
-KNOWN = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_ragged": 4.2e-3, "token": 1.1e-4, "key": 2e-7,
-         "pair": 3e-9, "logit": 6e-6}
+KNOWN = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_segments": 3.8e-3, "fixed_ragged": 4.2e-3,
+         "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "narrow": 3e-4, "key": 2e-7, "pair": 3e-9,
+         "logit": 6e-6}
 
 
 def synthetic(coef: dict[str, float], noise: float = 0.0, seed: int = 0) -> list[ForwardShape]:
@@ -37,7 +39,7 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_with_noise_recovers_the_fixed_costs_and_per_token_cost():
     model = fit(synthetic(KNOWN, noise=0.02, seed=1))
-    for name in ("fixed_causal", "fixed_masked", "fixed_ragged", "token"):
+    for name in ("fixed_causal", "fixed_masked", "fixed_segments", "fixed_ragged", "fixed_ragged_masked", "token"):
         assert model.coef[name] == pytest.approx(KNOWN[name], rel=0.1), name
     assert all(v >= 0 for v in model.coef.values())
     assert model.fit_error["median"] < 0.03
@@ -66,7 +68,10 @@ def test_features_and_model_validation_name_the_field():
     with pytest.raises(ValueError, match="coef: missing"):
         CostModel({"token": 1.0})
     s = ForwardShape(rows=2, fed=3, past=5, logits_rows=2, kind="ragged")
-    assert features(s) == [0, 0, 1, 6, 16, 48, 2]
+    assert features(s) == [0, 0, 0, 1, 0, 2, 6, 4, 16, 48, 2]
+    assert features(ForwardShape(rows=1, fed=3, past=5, logits_rows=2, kind="segments")) == [0, 0, 1, 0, 0, 0, 3, 3, 8, 24, 2]
+    with pytest.raises(ValueError, match="coef: unknown \\['speed'\\]"):
+        CostModel({**KNOWN, "speed": 1.0})
 
 
 def test_decode_prediction_adds_forward_costs_and_loop_cost():
@@ -75,11 +80,32 @@ def test_decode_prediction_adds_forward_costs_and_loop_cost():
     forwards = sum(model.predict(s) for s in shapes)
     profile = DecodeProfile(shapes, sequence_forwards=5, tokens=12, wall_s=forwards + 5 * 1e-3)
     loop = calibrate_loop(model, profile)
-    assert loop == pytest.approx(1e-3)
+    assert loop == LoopCost(0.0, pytest.approx(1e-3))
     pred = predict_decode(model, profile, loop)
     assert pred["predicted_s"] == pytest.approx(profile.wall_s) and pred["error"] == pytest.approx(0, abs=1e-12)
     assert pred["fixed_s"] == pytest.approx(KNOWN["fixed_causal"] + KNOWN["fixed_ragged"])
     assert CostModel.from_dict(model.as_dict()) == model
+
+
+def test_loop_cost_separates_per_call_from_per_sequence_work():
+    """Batch-1 decodes alone make as many calls as sequence-forwards; with a batch beside them the loop cost
+    splits into a per-call part (the batch's step) and a per-sequence part, and predicts both."""
+    model = CostModel(KNOWN)
+    truth = LoopCost(per_call=2e-3, per_sequence=0.5e-3)
+
+    def profile(calls: int, rows: int) -> DecodeProfile:
+        shapes = [ForwardShape(rows, 1, 40, rows, "ragged" if rows > 1 else "causal")] * calls
+        p = DecodeProfile(shapes, calls * rows, calls * rows, 0.0)
+        return DecodeProfile(shapes, p.sequence_forwards, p.tokens, model.total(shapes)[0] + truth.seconds(p))
+
+    alone, batched = profile(30, 1), profile(30, 16)
+    loop = calibrate_loop(model, [alone, batched])
+    assert loop.per_call == pytest.approx(truth.per_call) and loop.per_sequence == pytest.approx(truth.per_sequence)
+    assert predict_decode(model, profile(10, 4), loop)["error"] == pytest.approx(0, abs=1e-9)
+    one = calibrate_loop(model, [alone])  # batch 1 alone: all of it per sequence-forward
+    assert one.per_call == 0 and one.per_sequence == pytest.approx(2.5e-3)
+    with pytest.raises(ValueError, match="profiles: need at least one"):
+        calibrate_loop(model, [])
 
 
 def test_scale_rows_and_crossover():
@@ -96,11 +122,17 @@ def test_forward_log_records_each_kind(backbone):
     cache.forward(ForwardRequest(cache, torch.tensor([8, 9]), torch.arange(3, 5), keep_kv=False, attention=FULL))
     shared = RaggedCache(backbone)
     views = [shared.new_view() for _ in range(2)]
+    cache.forward(ForwardRequest(cache, torch.tensor([8, 9]), torch.arange(3, 5), keep_kv=False,
+                                 attention=Attention.block_causal([0, 1])))
     shared.forward([ForwardRequest(v, torch.tensor([5, 6, 7, 8][: 3 + i]), torch.arange(3 + i), logits_at=None)
                     for i, v in enumerate(views)])
+    shared.forward([ForwardRequest(views[0], torch.tensor([9]), torch.tensor([3]), keep_kv=False),
+                    ForwardRequest(views[1], torch.tensor([9, 9]), torch.tensor([4, 5]), keep_kv=False,
+                                   attention=Attention.block_causal([0, 0]))])
     log = backbone.forward_log
     assert [(s.kind, s.rows, s.fed, s.past, s.logits_rows) for s in log] == [
-        ("causal", 1, 3, 0, 0), ("causal", 1, 2, 3, 1), ("masked", 1, 2, 3, 2), ("ragged", 2, 4, 0, 0)]
+        ("causal", 1, 3, 0, 0), ("causal", 1, 2, 3, 1), ("masked", 1, 2, 3, 2), ("segments", 1, 2, 3, 2),
+        ("ragged", 2, 4, 0, 0), ("ragged_masked", 2, 2, 4, 3)]  # the head ran on 1 + 2 rows, each its own
     assert all(s.seconds is None for s in log)  # forwards were not timed
     backbone.forward_log, backbone.time_forwards = [], True
     cache.forward(ForwardRequest(cache, torch.tensor([8]), torch.arange(3, 4)))

@@ -3,18 +3,22 @@
 A forward (:class:`~refusion.models.backend.ForwardShape`: ``rows`` sequences of ``fed`` new tokens after
 ``past`` cached columns, ``logits_rows`` rows through the output head, its ``kind``) costs
 
-    t = fixed[kind] + token * rows*fed + key * rows*(past+fed) + pair * rows*fed*(past+fed) + logit * logits_rows
+    t = fixed[kind] + ragged_row * rows [ragged kinds] + token * rows*fed + narrow * min(rows*fed, 4)
+        + key * rows*(past+fed) + pair * rows*fed*(past+fed) + logit * logits_rows
 
 seconds: a fixed per-call cost (Python, dispatch, kernel launches; one per kind, since a ragged batch's
-call builds a mask and gathers rows that a dense causal call does not), per-token compute (the layers'
-matmuls), per key read (the KV each row attends over, and the ragged cache's gather of it), per
-query-key pair (the attention scores) and per logits row (the output head over the vocabulary).
-:func:`fit` finds the non-negative coefficients from timed forwards (:func:`measure`, as
-``scripts/forward_cost.py`` runs it) by least squares on the relative error. A decode's time is then its
-forwards' costs plus its loop's own work outside them, ``loop`` seconds per sequence-forward (a
-sequence taking part in a forward: Python that steps the decoder, reads the host, builds requests),
-one constant per decoder calibrated on batch-1 decodes (:func:`calibrate_loop`), so the predicted
-throughput at any batch size follows from the decode's counted forwards (:func:`predict_decode`).
+call builds a mask and gathers rows that a dense causal call does not, and a block-causal mask is built
+from segment ids), a per-row cost of a batch's shared cache (its Python per request: padding, the
+per-row mask, the output-head index), per-token compute (the layers' matmuls, each of a call's first few
+tokens costing more: a narrow matmul runs below its per-token speed), per key read (the KV each
+row attends over, and the ragged cache's gather of it), per query-key pair (the attention scores) and
+per logits row (the output head over the vocabulary). :func:`fit` finds the non-negative coefficients
+from timed forwards (:func:`measure`, as ``scripts/forward_cost.py`` runs it) by least squares on the
+relative error. A decode's time is then its forwards' costs plus its loop's own work outside them
+(:class:`LoopCost`: seconds per model call, the batch's step, and per sequence-forward, a sequence taking
+part in a forward: Python that steps the decoder, reads the host, builds requests), calibrated per
+decoder on decodes at one or more batch sizes (:func:`calibrate_loop`), so the predicted throughput at
+any batch size follows from the decode's counted forwards (:func:`predict_decode`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,15 @@ from refusion.models.backend import ForwardShape
 if TYPE_CHECKING:
     from refusion.models.backend import Backbone
 
-KINDS = ("causal", "masked", "ragged")
+#: the kinds of call (:class:`~refusion.models.backend.ForwardShape`), each with a fixed cost of its own
+KINDS = ("causal", "masked", "segments", "ragged", "ragged_masked")
+RAGGED_KINDS = ("ragged", "ragged_masked")
 #: coefficient names, in feature order: a fixed cost per kind, then the per-unit costs
-FEATURES = ("fixed_causal", "fixed_masked", "fixed_ragged", "token", "key", "pair", "logit")
+FEATURES = tuple(f"fixed_{k}" for k in KINDS) + ("ragged_row", "token", "narrow", "key", "pair", "logit")
+#: the tokens of a call up to which each costs ``narrow`` on top of ``token``: the layers' matmuls over one
+#: to a few tokens run below their per-token speed (on the CPU: 1 token fed ~4.9 ms, 4 ~6.0, 16 ~7.4, 64
+#: ~12.0, one call of tiny-ar), which one linear per-token cost would price as a higher fixed cost
+NARROW_TOKENS = 4
 
 
 def features(shape: ForwardShape) -> list[float]:
@@ -42,9 +52,10 @@ def features(shape: ForwardShape) -> list[float]:
     if shape.kind not in KINDS:
         raise ValueError(f"kind: {shape.kind!r} is not one of {KINDS}")
     keys = shape.past + shape.fed
+    tokens = shape.rows * shape.fed
     return [float(shape.kind == k) for k in KINDS] + [
-        float(shape.rows * shape.fed), float(shape.rows * keys), float(shape.rows * shape.fed * keys),
-        float(shape.logits_rows)]
+        float(shape.rows if shape.kind in RAGGED_KINDS else 0), float(tokens), float(min(tokens, NARROW_TOKENS)),
+        float(shape.rows * keys), float(tokens * keys), float(shape.logits_rows)]
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,9 @@ class CostModel:
         missing = [f for f in FEATURES if f not in self.coef]
         if missing:
             raise ValueError(f"coef: missing {missing}; a cost model has one coefficient per {FEATURES}")
+        unknown = [f for f in self.coef if f not in FEATURES]
+        if unknown:
+            raise ValueError(f"coef: unknown {unknown}; a cost model has one coefficient per {FEATURES}")
 
     def predict(self, shape: ForwardShape) -> float:
         return float(np.dot(features(shape), [self.coef[f] for f in FEATURES]))
@@ -84,8 +98,13 @@ class CostModel:
 
     def markdown(self) -> str:
         """The coefficients as a table, in readable units."""
-        units = {"fixed_causal": ("ms per call, dense causal", 1e3), "fixed_masked": ("ms per call, dense masked", 1e3),
-                 "fixed_ragged": ("ms per call, ragged batch", 1e3), "token": ("us per token fed", 1e6),
+        units = {"fixed_causal": ("ms per call, dense causal", 1e3),
+                 "fixed_masked": ("ms per call, dense, full attention", 1e3),
+                 "fixed_segments": ("ms per call, dense, block-causal", 1e3),
+                 "fixed_ragged": ("ms per call, ragged batch, causal", 1e3),
+                 "fixed_ragged_masked": ("ms per call, ragged batch, full / block-causal", 1e3),
+                 "ragged_row": ("us per row of a ragged batch", 1e6), "token": ("us per token fed", 1e6),
+                 "narrow": (f"us more per token of a call's first {NARROW_TOKENS}", 1e6),
                  "key": ("ns per key attended over (per row)", 1e9), "pair": ("ns per query-key pair", 1e9),
                  "logit": ("us per logits row", 1e6)}
         from refusion.experiments.tables import markdown
@@ -97,7 +116,7 @@ class CostModel:
 def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> CostModel:
     """The :class:`CostModel` whose non-negative coefficients minimise the squared relative error over
     ``shapes`` (each with ``seconds``). Exact non-negative least squares: every subset of the features
-    the data exercise is solved unconstrained and the best feasible one kept (7 features: 127 solves).
+    the data exercise is solved unconstrained and the best feasible one kept (11 features: 2,047 solves).
     A feature no shape exercises (a kind never measured) gets coefficient 0."""
     timed = [s for s in shapes if s.seconds is not None and s.seconds > 0]
     if len(timed) < 2:
@@ -135,10 +154,16 @@ GRID = tuple(
        if fed > 1 or logits == "last"]
     + [("masked", 1, fed, past, "last") for fed in (1, 16, 64) for past in (32, 160, 320)]
     + [("masked", 1, fed, past, "all") for fed in (16, 64) for past in (32, 320)]
+    + [("segments", 1, fed, past, "all") for fed in (8, 16, 64) for past in (32, 160, 320)]
     + [("ragged", rows, fed, past, "last") for rows in (1, 4, 16) for fed in (1, 4, 16, 64) for past in (32, 160)]
     + [("ragged", rows, fed, 160, "all") for rows in (1, 4, 16) for fed in (16, 64)]
     + [("ragged", 64, 1, 160, "last"), ("ragged", 64, 16, 160, "last"), ("ragged", 64, 16, 160, "all")]
+    + [("ragged_masked", rows, fed, past, "all") for rows in (1, 4, 16) for fed in (8, 16, 64) for past in (32, 160)]
+    + [("ragged_masked", rows, 1, 160, "last") for rows in (4, 16)]
 )
+
+#: the block-causal segments of a ``segments`` / ``ragged_masked`` grid call: blocks of 8 fed tokens
+GRID_BLOCK = 8
 
 
 def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logits_all: bool):
@@ -146,7 +171,7 @@ def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logi
     cost of the cache's bookkeeping included), keeping no KV, so it can repeat."""
     import torch
 
-    from refusion.core.loop import CAUSAL, FULL, ForwardRequest
+    from refusion.core.loop import CAUSAL, FULL, Attention, ForwardRequest
     from refusion.models.kvcache import RaggedCache
 
     gen = torch.Generator().manual_seed(rows * 1000 + fed * 10 + past)
@@ -158,19 +183,23 @@ def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logi
     def pos(start: int, n: int, r: int = 1):
         return torch.arange(start, start + n).expand(r, n)
 
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {KINDS}")
     logits_at = slice(None) if logits_all else [fed - 1]
-    if kind in ("causal", "masked"):
+    attention = {"causal": CAUSAL, "ragged": CAUSAL, "masked": FULL}.get(
+        kind, Attention.block_causal([t // GRID_BLOCK for t in range(fed)]))
+    if kind not in RAGGED_KINDS:
         cache = bb.new_cache()
         cache.forward(ForwardRequest(cache, ids(past), pos(0, past), logits_at=None))
         cache.repeat_rows(rows)
-        attention = FULL if kind == "masked" else CAUSAL
         request = ForwardRequest(cache, ids(fed, rows), pos(past, fed, rows), keep_kv=False, attention=attention,
                                  logits_at=logits_at)
         return lambda: cache.forward(request)
     shared = RaggedCache(bb)
     views = [shared.new_view() for _ in range(rows)]
     shared.forward([ForwardRequest(v, ids(past), pos(0, past), logits_at=None) for v in views])
-    requests = [ForwardRequest(v, ids(fed), pos(past, fed), keep_kv=False, logits_at=logits_at) for v in views]
+    requests = [ForwardRequest(v, ids(fed), pos(past, fed), keep_kv=False, attention=attention, logits_at=logits_at)
+                for v in views]
     return lambda: shared.forward(requests)
 
 
@@ -213,21 +242,55 @@ class DecodeProfile:
     wall_s: float
 
 
-def calibrate_loop(model: CostModel, profile: DecodeProfile) -> float:
-    """Seconds of loop work per sequence-forward: the part of ``profile``'s wall time its forwards'
-    predicted costs leave, over its sequence-forwards (at least 0)."""
-    forwards, _ = model.total(profile.shapes)
-    return max(0.0, (profile.wall_s - forwards) / max(1, profile.sequence_forwards))
+@dataclass(frozen=True)
+class LoopCost:
+    """A decoder's own work outside its forwards: ``per_call`` seconds per model call (a batch's step:
+    gathering its requests, running the call, handing out the results) plus ``per_sequence`` seconds per
+    sequence-forward (stepping one sequence's loop: drafting, scoring, host reads, building its request)."""
+
+    per_call: float = 0.0
+    per_sequence: float = 0.0
+
+    def seconds(self, profile: DecodeProfile) -> float:
+        return self.per_call * len(profile.shapes) + self.per_sequence * profile.sequence_forwards
 
 
-def predict_decode(model: CostModel, profile: DecodeProfile, loop_s: float) -> dict[str, float]:
-    """Predicted seconds and tokens/s of ``profile``'s decodes: its forwards' costs plus ``loop_s`` per
-    sequence-forward; with the measured figures and the relative error of the predicted tokens/s."""
+def calibrate_loop(model: CostModel, profiles: DecodeProfile | Sequence[DecodeProfile]) -> LoopCost:
+    """The :class:`LoopCost` that the part of each profile's wall time its forwards' predicted costs leave
+    fits best: non-negative least squares on the relative error of that part, over ``profiles``. Profiles
+    of batch size 1 alone (as many calls as sequence-forwards) cannot tell the two terms apart: then the
+    whole cost is per sequence-forward. A profile whose forwards take more than its wall time counts 0."""
+    profiles = [profiles] if isinstance(profiles, DecodeProfile) else list(profiles)
+    if not profiles:
+        raise ValueError("profiles: need at least one decode profile to calibrate the loop cost")
+    left = np.array([max(0.0, p.wall_s - model.total(p.shapes)[0]) for p in profiles])  # [n] seconds
+    a = np.array([[len(p.shapes), p.sequence_forwards] for p in profiles], dtype=float)  # [n, 2]
+    if all(len(p.shapes) == p.sequence_forwards for p in profiles) or not left.any():
+        return LoopCost(0.0, float(left.sum() / max(1, a[:, 1].sum())))
+    weight = 1 / np.maximum(left, left[left > 0].min())[:, None]  # relative error of the loop's part
+    best, best_res = LoopCost(0.0, float(left.sum() / max(1, a[:, 1].sum()))), np.inf
+    for cols in ([1], [0], [0, 1]):  # per sequence first: a term joins only where it fits strictly better
+        sol, *_ = np.linalg.lstsq(a[:, cols] * weight, left * weight[:, 0], rcond=None)
+        if (sol < 0).any():
+            continue
+        res = float(np.sum((a[:, cols] @ sol - left) ** 2 * weight[:, 0] ** 2))
+        if res < best_res * (1 - 1e-6) - 1e-18:
+            coef = dict(zip(cols, map(float, sol)))
+            best, best_res = LoopCost(coef.get(0, 0.0), coef.get(1, 0.0)), res
+    return best
+
+
+def predict_decode(model: CostModel, profile: DecodeProfile, loop: LoopCost | float) -> dict[str, float]:
+    """Predicted seconds and tokens/s of ``profile``'s decodes: its forwards' costs plus its loop cost
+    (a :class:`LoopCost`, or seconds per sequence-forward); with the measured figures and the relative
+    error of the predicted tokens/s."""
+    loop = loop if isinstance(loop, LoopCost) else LoopCost(0.0, float(loop))
     forwards, fixed = model.total(profile.shapes)
-    seconds = forwards + loop_s * profile.sequence_forwards
+    loop_s = loop.seconds(profile)
+    seconds = forwards + loop_s
     predicted = profile.tokens / seconds
     measured = profile.tokens / profile.wall_s if profile.wall_s else float("nan")
-    return {"predicted_s": seconds, "forward_s": forwards, "fixed_s": fixed, "loop_s": loop_s * profile.sequence_forwards,
+    return {"predicted_s": seconds, "forward_s": forwards, "fixed_s": fixed, "loop_s": loop_s,
             "predicted_tokens_per_second": predicted, "measured_tokens_per_second": measured,
             "error": predicted / measured - 1 if measured else float("nan"), "calls": len(profile.shapes)}
 
@@ -274,7 +337,7 @@ def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, effic
     flops = gpu["flops"] * efficiency
     weights_bytes = (layers * layer_weights + shape["vocab"] * h) * bytes_per_value
     fixed = fixed_s + weights_bytes / gpu["bandwidth"]
-    coef = {"fixed_causal": fixed, "fixed_masked": fixed, "fixed_ragged": fixed,
+    coef = {**{f"fixed_{k}": fixed for k in KINDS}, "ragged_row": 0.0, "narrow": 0.0,
             "token": 2 * layers * layer_weights / flops, "logit": 2 * shape["vocab"] * h / flops,
             "pair": 4 * shape["head_dim"] * shape["heads"] * layers / flops,
             "key": 2 * kv * layers * bytes_per_value / gpu["bandwidth"]}
@@ -282,7 +345,7 @@ def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, effic
                      note=f"roofline at {efficiency:.0%} of peak, fixed {1e3 * fixed_s:.2f} ms + weights read")
 
 
-def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop_s: float,
+def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop: LoopCost | float,
                     sizes: Sequence[int] = (1, 4, 16, 32, 64)) -> dict[int, float]:
     """Predicted tokens/s at each of ``sizes``: from the profile recorded at that batch size, else from the
     largest recorded one below it with every call carrying proportionally more sequences (lock-step)."""
@@ -294,5 +357,5 @@ def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop_s
         p, factor = profiles[base], size / base
         scaled = p if factor == 1 else DecodeProfile(scale_rows(p.shapes, factor), round(p.sequence_forwards * factor),
                                                      round(p.tokens * factor), 0.0)
-        out[size] = predict_decode(model, scaled, loop_s)["predicted_tokens_per_second"]
+        out[size] = predict_decode(model, scaled, loop)["predicted_tokens_per_second"]
     return out

@@ -40,9 +40,11 @@ ALL_ROWS = slice(None)
 class ForwardShape:
     """What one forward computed: ``rows`` sequences (cache rows) of ``fed`` new tokens each after ``past``
     cached columns, ``logits_rows`` rows through the output head (summed over rows), and its ``kind``:
-    ``causal`` (no mask: a dense cache's causal forward), ``masked`` (a dense cache with a 4D mask:
-    bidirectional / block-causal) or ``ragged`` (a batch's shared cache, always masked). ``seconds``: the
-    model call's wall time when :attr:`Backbone.time_forwards` is on, else None."""
+    ``causal`` (no mask: a dense cache's causal forward), ``masked`` (a dense cache with a 4D mask of
+    full attention), ``segments`` (the same with a block-causal mask built from segment ids), ``ragged`` (a
+    batch's shared cache, every request causal) or ``ragged_masked`` (the same with a request of full or
+    block-causal attention, whose mask is built per row). ``seconds``: the model call's wall time when
+    :attr:`Backbone.time_forwards` is on, else None."""
 
     rows: int
     fed: int
@@ -199,7 +201,7 @@ class Backbone:
     @torch.no_grad()
     def forward(
         self, ids: Tensor, pos: Tensor, cache: Cache | None, keep_kv: bool = True,
-        attn_mask: Tensor | None = None, logits_at: LogitsAt = ALL_ROWS,
+        attn_mask: Tensor | None = None, logits_at: LogitsAt = ALL_ROWS, kind: str | None = None,
     ) -> Tensor | None:
         """Logits ``[B, n, V]`` (float32, on ``self.device``) of ``ids [B, T]`` at positions ``pos [B, T]``
         after ``cache``, for the ``n`` fed positions ``logits_at`` names: a slice (``ALL_ROWS`` = every
@@ -213,7 +215,10 @@ class Backbone:
         With ``keep_kv`` the new tokens' KV stays in ``cache`` (appended after its current length);
         without, the cache is cropped back to its length before the call. ``attn_mask``: a 4D float
         additive mask ``[B, 1, T, cached + T]`` (0 = attend, finfo(model dtype).min = blocked) used
-        instead of the causal default, for bidirectional / block-causal models.
+        instead of the causal default, for bidirectional / block-causal models. ``kind``: what
+        :attr:`forward_log` records as the call's :attr:`ForwardShape.kind` (the caches say which mask they
+        built); by default ``ragged`` over an :class:`OffsetLayer` cache, else ``masked`` with a mask, else
+        ``causal``.
         """
         if ids.dim() == 1:
             ids, pos = ids[None], pos[None]
@@ -243,10 +248,12 @@ class Backbone:
             seconds = time.perf_counter() - t0
             self.forward_s += seconds
         if self.forward_log is not None:
-            kind = ("ragged" if cache is not None and cache.layers and isinstance(cache.layers[0], OffsetLayer)
-                    else "causal" if attn_mask is None else "masked")
+            kind = kind or ("ragged" if cache is not None and cache.layers and isinstance(cache.layers[0], OffsetLayer)
+                            else "causal" if attn_mask is None else "masked")
             n_rows = rows.numel() if isinstance(rows, Tensor) else (T if rows == 0 else rows)
-            self.forward_log.append(ForwardShape(int(ids.shape[0]), T, past, int(ids.shape[0]) * n_rows, kind, seconds))
+            head_rows = getattr(self.model, "refusion_logits_rows", None)  # the head on each row's own positions
+            n_logits = int(head_rows.numel()) if head_rows is not None else int(ids.shape[0]) * n_rows
+            self.forward_log.append(ForwardShape(int(ids.shape[0]), T, past, n_logits, kind, seconds))
         self.nfe += 1
         self.tokens_in += ids.numel()
         if cache is not None and not keep_kv and cache.get_seq_length() > past:

@@ -126,7 +126,9 @@ class DenseCache:
             allowed = torch.cat([torch.ones(T, past, dtype=torch.bool, device=bb.device), segment_allowed(seg, seg)], 1)
             mask = additive_mask(allowed, bb.model.dtype)[None, None]  # [1, 1, T, past + T]
         kv = None if past == 0 and not request.keep_kv else self.kv
-        return bb.forward(ids, pos, kv, keep_kv=request.keep_kv, attn_mask=mask, logits_at=_logits_rows(request.logits_at))
+        kind = "segments" if request.attention.kind == "segments" else None
+        return bb.forward(ids, pos, kv, keep_kv=request.keep_kv, attn_mask=mask, logits_at=_logits_rows(request.logits_at),
+                          kind=kind)
 
 
 class RaggedCache:
@@ -258,6 +260,7 @@ class RaggedCache:
         offsets = from_host(lengths, dev, torch.long)  # [R']
         width = past + T
         mask = additive_mask(self._allowed(requests, offsets, T, width), dtype)[:, None]  # [R', 1, T, width]
+        kind = "ragged" if all(req.attention.kind == "causal" for req in requests) else "ragged_masked"
         cache = offset_cache(keys, values, offsets, T, width)
         wanted = [req.columns() if req.logits_at is not None else None for req in requests]
         union = sorted(set(c for cols in wanted if cols for c in cols))
@@ -273,9 +276,9 @@ class RaggedCache:
             # rows ask for different columns: the head runs on each row's own positions only
             with head_on_rows(bb.model, from_host(row_of, dev, torch.long)):
                 flat = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
-                                  logits_at=from_host(col_of, dev, torch.long))[0]  # [N, V]
+                                  logits_at=from_host(col_of, dev, torch.long), kind=kind)[0]  # [N, V]
         else:
-            logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
+            logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask, kind=kind,
                                 logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
         if every:  # the gathered buffers are the cache now, row i holding logical row rows[i]
             self.keys, self.values = keys, values

@@ -25,11 +25,14 @@ class OffsetLayer(DynamicLayer):
         self.offsets, self.past, self.width = offsets, past, width
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        # an index_put_, not a scatter_: under torch.compile inductor writes an index_put_ into the buffer in
+        # place, while a scatter_ becomes a copy of the whole buffer per layer and call
         R, H, T, D = key_states.shape
-        index = self.offsets[:, None] + torch.arange(T, device=self.offsets.device)  # [R, T]
-        index = index[:, None, :, None].expand(R, H, T, D)
-        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        dev = self.offsets.device
+        cols = self.offsets[:, None] + torch.arange(T, device=dev)  # [R, T]
+        rows = torch.arange(R, device=dev)[:, None].expand(R, T)  # [R, T]
+        self.keys[rows, :, cols] = key_states.transpose(1, 2).to(self.keys.dtype)  # [R, T, H, D]
+        self.values[rows, :, cols] = value_states.transpose(1, 2).to(self.values.dtype)
         return self.keys[:, :, : self.width], self.values[:, :, : self.width]
 
     def get_seq_length(self) -> int:
