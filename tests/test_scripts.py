@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -241,3 +242,18 @@ def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):
     assert (tmp_path / "both" / "cost_model.json").is_file()
     assert run_script("cost_model.py", "--refit", str(tmp_path / "none")) == 2
     assert "--refit: no" in capsys.readouterr().err
+
+
+def test_suite_cost_times_the_same_tests_at_a_base_commit_and_now():
+    """Both sides run the named tests (a path the base lacks is left out of its side) and report pytest's line."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", "scripts/suite_cost.sh", "HEAD", "1", "--", "tests/test_docs_pages.py"],
+                         cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "REFUSION_PYTHON": sys.executable})
+    assert out.returncode == 0, out.stderr
+    base, now = (re.search(rf"round 1 {side}: (\d+) passed", out.stdout) for side in ("base", "now"))
+    assert base and now and int(base.group(1)) > 0, out.stdout
+    assert "load average:" in out.stdout
