@@ -19,20 +19,17 @@ class OffsetLayer(DynamicLayer):
     over columns ``0 .. width-1``, its additive mask saying which of them are its keys. Nothing is
     appended or cropped: which columns hold a row's valid KV is the caller's bookkeeping."""
 
-    def __init__(self, keys: Tensor, values: Tensor, offsets: Tensor, past: int, width: int) -> None:
+    def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, cols: Tensor, past: int, width: int) -> None:
         super().__init__()
         self.keys, self.values, self.is_initialized = keys, values, True
-        self.offsets, self.past, self.width = offsets, past, width
+        self.rows, self.cols = rows, cols  # [R, T] each: where row r's t-th new token goes (shared by the layers)
+        self.past, self.width = past, width
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # an index_put_, not a scatter_: under torch.compile inductor writes an index_put_ into the buffer in
         # place, while a scatter_ becomes a copy of the whole buffer per layer and call
-        R, H, T, D = key_states.shape
-        dev = self.offsets.device
-        cols = self.offsets[:, None] + torch.arange(T, device=dev)  # [R, T]
-        rows = torch.arange(R, device=dev)[:, None].expand(R, T)  # [R, T]
-        self.keys[rows, :, cols] = key_states.transpose(1, 2).to(self.keys.dtype)  # [R, T, H, D]
-        self.values[rows, :, cols] = value_states.transpose(1, 2).to(self.values.dtype)
+        self.keys[self.rows, :, self.cols] = key_states.transpose(1, 2).to(self.keys.dtype)  # [R, T, H, D]
+        self.values[self.rows, :, self.cols] = value_states.transpose(1, 2).to(self.values.dtype)
         return self.keys[:, :, : self.width], self.values[:, :, : self.width]
 
     def get_seq_length(self) -> int:
@@ -46,7 +43,10 @@ def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed:
     """A transformers cache over per-layer buffers (:class:`OffsetLayer`) for a forward of ``fed`` tokens
     per row written at columns ``offsets [R] ..`` and attending over columns ``0 .. width-1``; the mask of
     that forward is ``[R, 1, fed, width]``."""
-    return Cache(layers=[OffsetLayer(k, v, offsets, width - fed, width) for k, v in zip(keys, values)])
+    dev = offsets.device
+    cols = offsets[:, None] + torch.arange(fed, device=dev)  # [R, fed]: computed once for every layer
+    rows = torch.arange(offsets.shape[0], device=dev)[:, None].expand_as(cols)  # [R, fed]
+    return Cache(layers=[OffsetLayer(k, v, rows, cols, width - fed, width) for k, v in zip(keys, values)])
 
 
 def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:
