@@ -237,6 +237,7 @@ def test_batch_size_one_keeps_the_records_and_tables_unchanged(tmp_path, bench_c
                          "completion", "token_ids"]
     assert "batch_size" not in rows[0]
     assert markdown_table(rows).splitlines()[0] == "| task | run | n | acc % | tok/s | TPF | NFE | latency s | speed-up |"
+    assert "speedup" not in rows[0] and markdown_table(rows).splitlines()[2].endswith("| 1.00 |")  # speedup_vs_ar
     assert "| batch_size |" in markdown_table([{**rows[0], "batch_size": 4}])
 
 
