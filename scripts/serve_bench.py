@@ -58,12 +58,14 @@ def start_server(row: str, task: str, extra: list[str]) -> tuple[subprocess.Pope
     raise RuntimeError(f"the server of row {row} did not start (exit {proc.wait()})")
 
 
-def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float]:
-    """One batch-bench chunk: (generated tokens, wall seconds, CPU seconds) of ``generate_batch`` over
-    ``prompts``."""
-    t0, c0 = time.perf_counter(), time.process_time()
+def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float, int, int]:
+    """One batch-bench chunk: (generated tokens, wall seconds, CPU seconds, model calls, tokens fed) of
+    ``generate_batch`` over ``prompts``."""
+    bb = decoder.backbone
+    t0, c0, nfe, fed = time.perf_counter(), time.process_time(), bb.nfe, bb.tokens_in
     results = decoder.generate_batch(prompts)
-    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0, time.process_time() - c0
+    return (sum(len(r.token_ids) for r in results), time.perf_counter() - t0, time.process_time() - c0,
+            bb.nfe - nfe, bb.tokens_in - fed)
 
 
 def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]], rounds: int) -> dict:
@@ -79,14 +81,18 @@ def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]
         def offline() -> None:
             chunks = [offline_chunk(decoder, prompts[i: i + 16]) for i in range(0, len(prompts), 16)]
             row.update(offline_tokens=sum(c[0] for c in chunks), offline_s=sum(c[1] for c in chunks),
-                       offline_cpu_s=sum(c[2] for c in chunks))
+                       offline_cpu_s=sum(c[2] for c in chunks), offline_calls=sum(c[3] for c in chunks),
+                       offline_fed=sum(c[4] for c in chunks))
 
         def served() -> None:
+            c0 = time.process_time()
             rep = run_loadtest(url, queries, 16, len(queries), 1800)
             if rep["errors"] or rep["not_sent"]:
                 raise RuntimeError(f"served round failed: {rep['errors']}, {rep['not_sent']} not sent")
-            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"],
-                       served_cpu_s=rep["server"]["cpu_s"], forward_calls=rep["server"]["forward_calls"])
+            srv = rep["server"]
+            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"], served_cpu_s=srv["cpu_s"],
+                       served_engine_cpu_s=srv["engine_cpu_s"], client_cpu_s=time.process_time() - c0,
+                       served_calls=srv["forward_calls"], served_fed=srv["tokens_fed"], served_chunks=rep["chunks"])
 
         for side in ((offline, served) if r % 2 == 0 else (served, offline)):
             side()

@@ -240,6 +240,7 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
         "requests": len(outcomes), "sent": len(sent), "completed": len(ok),
         "disconnected": sum(o.status == "disconnected" for o in sent), "not_sent": len(outcomes) - len(sent),
         "errors": errors, "concurrency": concurrency, "wall_s": wall, "completion_tokens": tokens,
+        "chunks": sum(len(o.chunk_times) for o in sent),
         "tokens_per_s": tokens / wall if wall else 0.0, "requests_per_s": len(ok) / wall if wall else 0.0,
         "ttft_ms": ms(ttft), "itl_ms": ms(itl),
         "delivery": {
@@ -255,6 +256,8 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
             "rss_mb_end": after.get("process_resident_memory_bytes", 0) / 2**20,
             "cancelled_disconnect": delta('refusion_cancelled_total{reason="disconnect"}'),
             "forward_calls": delta("refusion_forward_calls_total"),
+            "tokens_fed": delta("refusion_tokens_fed_total"),
+            "engine_cpu_s": delta("refusion_engine_cpu_seconds_total"),
             "cpu_s": delta("process_cpu_seconds_total"),  # the server's CPU time over the run
         },
     }
