@@ -21,6 +21,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,8 @@ from refusion.serve.protocol import (
 from refusion.serve.text import FinalText
 
 
+#: the response header naming the server that answered (``ServeState.server_id``)
+SERVER_HEADER = "X-Refusion-Server"
 #: how often a waiting handler checks whether its client is still there (seconds)
 DISCONNECT_POLL_S = 0.2
 
@@ -49,13 +52,15 @@ class ServeState:
     def __init__(self, engine: Engine, pool: DecoderPool, model_name: str, model_path: str | None = None,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  request_timeout_s: float = REQUEST_TIMEOUT_S, shutdown_grace_s: float = 30.0,
-                 stream_interval: int = STREAM_INTERVAL) -> None:
+                 stream_interval: int = STREAM_INTERVAL, server_id: str | None = None) -> None:
         self.engine, self.pool, self.model_name, self.model_path = engine, pool, model_name, model_path
         self.api_key, self.max_body_bytes, self.request_timeout_s = api_key, max_body_bytes, request_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         if stream_interval < 1:
             raise ValueError(f"--stream-interval: must be at least 1, got {stream_interval}")
         self.stream_interval = stream_interval
+        #: names this server in every response (:data:`SERVER_HEADER`) and in ``/health``: a replica's id
+        self.server_id = server_id or f"{socket.gethostname()}:{os.getpid()}"
         self.tokenizer = pool.backbone.tokenizer
         self.eos_ids = pool.backbone.eos_ids
         self.vocab = len(self.tokenizer)
@@ -344,7 +349,7 @@ def build_app(state: ServeState) -> Starlette:
         running, queued = state.engine.counts()
         ok = state.engine.accepting
         return JSONResponse({"status": "ok" if ok else "shutting down", "running": running, "queued": queued,
-                             "pid": os.getpid()},
+                             "pid": os.getpid(), "server": state.server_id},
                             status_code=200 if ok else 503)
 
     async def metrics_page(request: Request) -> Response:
@@ -372,4 +377,24 @@ def build_app(state: ServeState) -> Starlette:
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics_page, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    return with_server_header(app, state.server_id)
+
+
+def with_server_header(app, server_id: str):
+    """``app`` (ASGI) answering every HTTP response with the header ``X-Refusion-Server: server_id``, which
+    names the server (the replica, behind a proxy) that answered."""
+    header = (SERVER_HEADER.lower().encode(), server_id.encode())
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        return await app(scope, receive, send_with_header)
+
+    return wrapped
