@@ -138,7 +138,7 @@ class RaggedCache:
     Rows are logical: forking, dropping or reordering a sequence's rows only changes ``phys`` (logical
     row -> row of the buffers, repeats allowed). The buffers are gathered into the new order by the next
     forward, in the same copy that forward needs anyway, so a step in which several sequences fork,
-    merge or finish copies the cache once, not once per change."""
+    merge or finish copies the cache once, not once per change; a sequence joining takes a spare row."""
 
     def __init__(self, backbone: "Backbone") -> None:
         self.backbone = backbone
@@ -160,11 +160,8 @@ class RaggedCache:
         return view
 
     def _free_row(self) -> int:
-        """A zeroed buffer row that no logical row uses. A sequence joining a running batch takes a spare
-        row (one a finished sequence left, or one kept by the last gather: :meth:`_gather`) without copying
-        the buffers; when there is none the buffers grow by half their rows (one copy for several joins)."""
-        held = self.keys[0].shape[0]
-        used = set(self.phys)
+        """A zeroed buffer row no logical row uses (a spare one: no copy; else the buffers grow by half)."""
+        held, used = self.keys[0].shape[0], set(self.phys)
         row = next((p for p in range(held) if p not in used), None)
         if row is None:
             row, grow = held, max(1, held // 2)
@@ -176,9 +173,8 @@ class RaggedCache:
         return row
 
     def _gather(self, physical: list[int]) -> tuple[list[Tensor], list[Tensor]]:
-        """New buffers holding the buffer rows ``physical`` at rows ``0 .. n-1`` (one copy), with spare rows
-        for sequences that join later: as many rows as the buffers have now when that is ``n`` to ``2n``,
-        else ``n``. The spare rows are not initialised (:meth:`_free_row` zeroes the one it hands out)."""
+        """New buffers holding the buffer rows ``physical`` at rows ``0 .. n-1`` (one copy), keeping the
+        current row count when it is ``n`` to ``2n`` (spare rows, uninitialised, for sequences joining)."""
         n, held = len(physical), self.keys[0].shape[0]
         rows = held if n <= held <= 2 * n else n
         index = from_host(physical, self.keys[0].device, torch.long)
@@ -272,9 +268,7 @@ class RaggedCache:
         every = len(rows) == len(self.lengths)
         if not every:  # a forward of some sequences alone: their rows are copied out and back
             self._materialize()
-        physical = [self.phys[r] for r in rows]
-        n = len(rows)
-        gathered = None  # every row in a new order: the new buffers (with their spare rows)
+        physical, n, gathered = [self.phys[r] for r in rows], len(rows), None  # gathered: new buffers
         if every and physical == list(range(n)):  # rows already in this order: no copy
             keys, values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
         elif every:
