@@ -1,18 +1,21 @@
 """The serving engine's admission policy against batch-bench's static batches, without HTTP.
 
-A bench row's decoder on the task's first 32 test prompts: batch-bench's measurement at batch 16 (chunks of
-16 through ``Decoder.generate_batch``) and the engine (``serve/engine.py``, max batch 16) with all 32
-requests queued at once, admitting at once (``admit_min`` 1), in groups of 8 and of 16 (``admit_wait_s``
+A bench row's decoder on the task's first ``--limit`` test prompts (default 32): batch-bench's measurement at
+batch 16 (chunks of 16 through ``Decoder.generate_batch``) and the engine (``serve/engine.py``, max batch 16)
+with all the requests queued at once, admitting at once (``admit_min`` 1), in groups of 8 and of 16 (``admit_wait_s``
 30: no deadline), and at once with the prompt's call inside the running batch's (``separate_prefill``
 off). Per mode: tokens/s, model calls and tokens fed (padding included); ``--rounds`` interleaved rounds,
 one torch thread, with the process's CPU time (which other work on a busy machine inflates less than
-wall time). The admission modes make one model call per request group (``call_cost_tokens`` None, as
+wall time), and the (row, key) pairs a model call attends on average (every row's keys padded to the
+longest row's: sequences at different stages make a call attend more). The admission modes make one model
+call per request group (``call_cost_tokens`` None, as
 ``refusion serve --call-cost-tokens off``): the admission policy alone; then groups of 8 with calls by
 width (``call_cost_tokens`` 100, the CPU default), and 16 clients each sending its next request when its
 answer ends (as ``refusion loadtest --concurrency 16``; default admission), with and without calls by
 width.
 
     python scripts/serve_admission.py --row refusion --rounds 2
+    python scripts/serve_admission.py --row ar --rounds 1 --limit 128
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from refusion.core.config import build_decoder
 from refusion.core.threads import set_threads
 from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
+from refusion.models.kvcache import RaggedCache
 from refusion.models.tokenizer import encode_prompt
 from refusion.serve.engine import CALL_COST_TOKENS_CPU, Engine, Job
 from refusion.tasks import get_task
@@ -36,12 +40,13 @@ def main() -> None:
     ap.add_argument("--row", default="refusion")
     ap.add_argument("--task", default="arith")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=32, help="prompts of the task (default 32)")
     args = ap.parse_args()
     set_threads(1)
     bench, task = load_bench_config(None), get_task(args.task)
     bb = Backbone.from_pretrained(bench.models[args.row])
     decoder = build_decoder(bb, bench.decoder_config(args.task, args.row, task.max_new_tokens))
-    prompts = [encode_prompt(bb.tokenizer, ex.query) for ex in task.examples("test", 32)]
+    prompts = [encode_prompt(bb.tokenizer, ex.query) for ex in task.examples("test", args.limit)]
 
     def offline() -> float:
         tokens, wall = 0, 0.0
@@ -56,7 +61,7 @@ def main() -> None:
                clients: int = 0) -> float:
         """All requests queued at once; or ``clients`` > 0 clients each sending its next request when its
         previous answer ends (as ``refusion loadtest`` at that concurrency)."""
-        e = Engine(decoder, max_batch=16, max_queue=64, admit_min=admit_min, admit_wait_s=30.0 if not clients
+        e = Engine(decoder, max_batch=16, max_queue=len(prompts), admit_min=admit_min, admit_wait_s=30.0 if not clients
                    else 0.5, separate_prefill=separate_prefill, call_cost_tokens=call_cost_tokens)
         tokens, lock, pending = [0], threading.Lock(), iter(prompts)
 
@@ -96,11 +101,23 @@ def main() -> None:
         e.stop()
         return tokens[0] / wall
 
+    calls: list[tuple[int, int]] = []  # (rows, key width) of each batched model call
+    forward = RaggedCache.forward
+
+    def recorded(cache, requests):  # the keys a call attends: every row's padded to the longest row's
+        rows = [r for request in requests for r in request.cache.rows]
+        calls.append((len(rows), max(cache.lengths[r] for r in rows) + max(q.ids.shape[-1] for q in requests)))
+        return forward(cache, requests)
+
+    RaggedCache.forward = recorded
+
     def counted(label: str, run) -> str:
         nfe, fed, cpu = bb.nfe, bb.tokens_in, time.process_time()
+        calls.clear()
         rate = run()
+        pairs = sum(rows * width for rows, width in calls) / max(1, len(calls))
         return (f"{label} {rate:.0f} tok/s, {bb.nfe - nfe} calls, {bb.tokens_in - fed} tokens fed, "
-                f"{time.process_time() - cpu:.2f} CPU s")
+                f"{pairs:.0f} (row, key) pairs per call, {time.process_time() - cpu:.2f} CPU s")
 
     offline()  # warm-up
     for _ in range(args.rounds):

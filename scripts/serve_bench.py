@@ -12,12 +12,15 @@ the ``--parts`` asked for (default all three):
            times with the side that goes first alternating; served / offline tokens/s with a
            paired-bootstrap 95% interval over the rounds (:func:`~refusion.experiments.stats.throughput_ratio`),
            and the same per CPU second (the offline side's process time against the server process's);
+           per side the model calls and tokens fed (padding included), and the server's CPU time split
+           into its engine thread's and the rest (the HTTP side: event loop, tokenizer, JSON);
 ``table``  ``loadtest`` at each of ``--concurrency`` (``--table-requests`` each): docs/serving.md's table;
 ``goal``   ``--goal-requests`` requests at concurrency 16 with ``--disconnect-fraction`` of the clients
            hanging up mid-stream, every response checked against the offline decode; prints each goal's
            verdict (:func:`~refusion.serve.loadtest.verdicts`).
 
-Writes ``OUT/serve_bench.json`` and ``OUT/serve_bench.md``; prints the load average beside each row.
+Writes ``OUT/serve_bench.json`` and ``OUT/serve_bench.md`` (tables through the project's renderer,
+:mod:`refusion.experiments.tables`); prints the load average beside each row.
 The exit code is 1 when a goal is not met.
 
     python scripts/serve_bench.py --rows ar,refusion,llada,block,spec-diffusion --task arith --out runs/serve_bench
@@ -38,6 +41,7 @@ from pathlib import Path
 
 from refusion.core.config import build_decoder
 from refusion.core.threads import set_threads
+from refusion.experiments import tables
 from refusion.experiments.bench import load_bench_config
 from refusion.experiments.stats import throughput_ratio
 from refusion.models.backend import Backbone
@@ -58,12 +62,14 @@ def start_server(row: str, task: str, extra: list[str]) -> tuple[subprocess.Pope
     raise RuntimeError(f"the server of row {row} did not start (exit {proc.wait()})")
 
 
-def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float]:
-    """One batch-bench chunk: (generated tokens, wall seconds, CPU seconds) of ``generate_batch`` over
-    ``prompts``."""
-    t0, c0 = time.perf_counter(), time.process_time()
+def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float, int, int]:
+    """One batch-bench chunk: (generated tokens, wall seconds, CPU seconds, model calls, tokens fed) of
+    ``generate_batch`` over ``prompts``."""
+    bb = decoder.backbone
+    t0, c0, nfe, fed = time.perf_counter(), time.process_time(), bb.nfe, bb.tokens_in
     results = decoder.generate_batch(prompts)
-    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0, time.process_time() - c0
+    return (sum(len(r.token_ids) for r in results), time.perf_counter() - t0, time.process_time() - c0,
+            bb.nfe - nfe, bb.tokens_in - fed)
 
 
 def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]], rounds: int) -> dict:
@@ -79,14 +85,18 @@ def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]
         def offline() -> None:
             chunks = [offline_chunk(decoder, prompts[i: i + 16]) for i in range(0, len(prompts), 16)]
             row.update(offline_tokens=sum(c[0] for c in chunks), offline_s=sum(c[1] for c in chunks),
-                       offline_cpu_s=sum(c[2] for c in chunks))
+                       offline_cpu_s=sum(c[2] for c in chunks), offline_calls=sum(c[3] for c in chunks),
+                       offline_fed=sum(c[4] for c in chunks))
 
         def served() -> None:
+            c0 = time.process_time()
             rep = run_loadtest(url, queries, 16, len(queries), 1800)
             if rep["errors"] or rep["not_sent"]:
                 raise RuntimeError(f"served round failed: {rep['errors']}, {rep['not_sent']} not sent")
-            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"],
-                       served_cpu_s=rep["server"]["cpu_s"], forward_calls=rep["server"]["forward_calls"])
+            srv = rep["server"]
+            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"], served_cpu_s=srv["cpu_s"],
+                       served_engine_cpu_s=srv["engine_cpu_s"], client_cpu_s=time.process_time() - c0,
+                       served_calls=srv["forward_calls"], served_fed=srv["tokens_fed"], served_chunks=rep["chunks"])
 
         for side in ((offline, served) if r % 2 == 0 else (served, offline)):
             side()
@@ -170,53 +180,64 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(results: list[dict]) -> str:
+    """docs/serving.md's tables of ``results`` (the parts each row has), through the project's table renderer."""
     def f(v) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
     def load(r: dict) -> str:
         return f"{r['load_average_before'][0]:.1f} / {r['load_average'][0]:.1f}"
 
-    lines = []
-    if any("concurrency" in r for r in results):
-        lines += ["| row | concurrency | tokens/s | requests/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 / p99 ms | "
-                  "errors |", "|---|---|---|---|---|---|---|"]
-        for r in results:
-            for c, t in r.get("concurrency", {}).items():
-                lines.append(f"| {r['row']} | {c} | {t['tokens_per_s']:.0f} | {t['requests_per_s']:.2f} | "
-                             + " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")) + " | "
-                             + " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99"))
-                             + f" | {sum(t['errors'].values())} |")
-        lines.append("")
-    if any("ratio" in r for r in results):
-        lines += ["| row | batch-bench tok/s, batch 16 | served tok/s, concurrency 16 | served / batch-bench, wall "
-                  "(95% interval) | the same per CPU second | rounds | load average before / after |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in results:
-            if "ratio" in r:
-                x = r["ratio"]
-                lines.append(f"| {r['row']} | {x['offline_tokens_per_s']:.0f} | {x['served_tokens_per_s']:.0f} | "
-                             f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f}) | "
-                             f"{x['cpu_ratio']:.2f} ({x['cpu_ratio_low']:.2f} - {x['cpu_ratio_high']:.2f}) | "
-                             f"{len(x['rounds'])} | "
-                             f"{load(r)} |")
-        lines.append("")
-    if any("goal" in r for r in results):
-        lines += ["| row | requests: completed / hung up / errors / not sent / lost | differ from offline | "
-                  "batch, queue after | cancelled by hang-up | RSS MB 1st / 2nd half max | wall s | verdicts | "
-                  "load average before / after |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in results:
-            if "goal" not in r:
-                continue
-            g, srv = r["goal"], r["goal"]["server"]
-            met = [goal for goal, ok, _ in r["verdicts"] if ok]
-            unmet = [goal for goal, ok, _ in r["verdicts"] if not ok]
-            lines.append(
-                f"| {r['row']} | {g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / "
-                f"{g['not_sent']} / {g['delivery']['lost']} | {g['offline']['differ']} of {g['offline']['compared']} | "
-                f"{f(srv['batch_size_after'])}, {f(srv['queue_after'])} | {srv['cancelled_disconnect']:.0f} | "
-                f"{f(srv['rss_mb_first_half_max'])} / {f(srv['rss_mb_second_half_max'])} | {g['wall_s']:.0f} | "
-                + (f"all {len(met)} met" if not unmet else "NOT MET: " + ", ".join(unmet)) + f" | {load(r)} |")
-    return "\n".join(lines) + "\n"
+    def mean(rounds: list[dict], key: str) -> float:
+        return sum(x[key] for x in rounds) / len(rounds)
+
+    out = []
+    table = [[r["row"], str(c), f"{t['tokens_per_s']:.0f}", f"{t['requests_per_s']:.2f}",
+              " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")),
+              " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99")), str(sum(t["errors"].values()))]
+             for r in results for c, t in r.get("concurrency", {}).items()]
+    if table:
+        out.append(tables.markdown(["row", "concurrency", "tokens/s", "requests/s", "TTFT p50 / p95 / p99 ms",
+                                    "ITL p50 / p95 / p99 ms", "errors"], table))
+    ratio = []
+    for r in results:
+        if "ratio" not in r:
+            continue
+        x, rounds = r["ratio"], r["ratio"]["rounds"]
+        counted = "served_engine_cpu_s" in rounds[0]  # runs before the engine's own counters have none
+        ratio.append([
+            r["row"], f"{x['offline_tokens_per_s']:.0f}", f"{x['served_tokens_per_s']:.0f}",
+            f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f})",
+            f"{x['cpu_ratio']:.2f} ({x['cpu_ratio_low']:.2f} - {x['cpu_ratio_high']:.2f})",
+            f"{mean(rounds, 'offline_calls'):.0f} / {mean(rounds, 'served_calls'):.0f}" if counted else "-",
+            f"{mean(rounds, 'offline_fed'):.0f} / {mean(rounds, 'served_fed'):.0f}" if counted else "-",
+            f"{mean(rounds, 'offline_cpu_s'):.2f} / {mean(rounds, 'served_engine_cpu_s'):.2f} / "
+            f"{mean(rounds, 'served_cpu_s') - mean(rounds, 'served_engine_cpu_s'):.2f}" if counted else "-",
+            str(len(rounds)), load(r)])
+    if ratio:
+        out.append(tables.markdown(
+            ["row", "batch-bench tok/s, batch 16", "served tok/s, concurrency 16",
+             "served / batch-bench, wall (95% interval)", "the same per CPU second",
+             "model calls: batch-bench / served", "tokens fed: batch-bench / served",
+             "CPU s: batch-bench / engine thread / HTTP side", "rounds", "load average before / after"], ratio))
+    goal = []
+    for r in results:
+        if "goal" not in r:
+            continue
+        g, srv = r["goal"], r["goal"]["server"]
+        met = [name for name, ok, _ in r["verdicts"] if ok]
+        unmet = [name for name, ok, _ in r["verdicts"] if not ok]
+        goal.append([
+            r["row"], f"{g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / {g['not_sent']} / "
+            f"{g['delivery']['lost']}", f"{g['offline']['differ']} of {g['offline']['compared']}",
+            f"{f(srv['batch_size_after'])}, {f(srv['queue_after'])}", f"{srv['cancelled_disconnect']:.0f}",
+            f"{f(srv['rss_mb_first_half_max'])} / {f(srv['rss_mb_second_half_max'])}", f"{g['wall_s']:.0f}",
+            f"all {len(met)} met" if not unmet else "NOT MET: " + ", ".join(unmet), load(r)])
+    if goal:
+        out.append(tables.markdown(
+            ["row", "requests: completed / hung up / errors / not sent / lost", "differ from offline",
+             "batch, queue after", "cancelled by hang-up", "RSS MB 1st / 2nd half max", "wall s", "verdicts",
+             "load average before / after"], goal))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

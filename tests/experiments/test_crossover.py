@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from refusion.experiments.crossover import aup, crossing, crossover_interval, percentile
+from refusion.experiments.crossover import aup, crossing, crossover_interval
+from refusion.experiments.stats import percentile
 
 
 def test_crossing_interpolates_in_log_batch_and_log_ratio():

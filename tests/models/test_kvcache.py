@@ -185,3 +185,33 @@ def test_live_sequences_counts_the_unfinished_sequences_of_the_batch(backbone):
     b.repeat_rows(4)  # rows are not sequences
     shared.release(a)
     assert b.live_sequences() == c.live_sequences() == 2
+
+
+def test_a_sequence_joining_a_running_batch_takes_a_spare_row_without_copying_the_buffers(backbone):
+    """Continuous batching: a finished sequence's row is freed by the next forward's gather, which keeps the
+    buffers' row count; a sequence admitted after it takes that row (zeroed) and the buffers stay the same
+    tensors. Its decode is its own cache's."""
+    shared = RaggedCache(backbone)
+    views = [shared.new_view() for _ in range(3)]
+    shared.forward([ForwardRequest(v, torch.tensor([10 + i, 11, 12]), torch.arange(3)) for i, v in enumerate(views)])
+    shared.release(views[0])
+    shared.forward([ForwardRequest(v, torch.tensor([13]), torch.tensor([3])) for v in views[1:]])  # a gather
+    assert shared.keys[0].shape[0] == 3 and shared.phys == [0, 1]  # a spare row kept
+    buffers = [t.data_ptr() for t in (*shared.keys, *shared.values)]
+    joined = shared.new_view()
+    assert [t.data_ptr() for t in (*shared.keys, *shared.values)] == buffers  # no copy
+    assert all(t[shared.phys[-1]].abs().sum() == 0 for t in (*shared.keys, *shared.values))  # zeroed
+    got = shared.forward([ForwardRequest(joined, torch.tensor([40, 41]), torch.arange(2))])[0]
+    torch.testing.assert_close(got, single(backbone, [40, 41]), **TOL)
+    step = [ForwardRequest(v, torch.tensor([14]), torch.tensor([4])) for v in views[1:]]
+    step.append(ForwardRequest(joined, torch.tensor([42]), torch.tensor([2])))
+    got = shared.forward(step)
+    assert [t.data_ptr() for t in (*shared.keys, *shared.values)] == buffers  # in order: written in place
+    ref = backbone.new_cache()
+    single(backbone, [40, 41], cache=ref)
+    torch.testing.assert_close(got[2], single(backbone, [42], [2], ref), **TOL)
+    held = []
+    for _ in range(3):  # no spare row left: the buffers grow by half their rows (at least one)
+        shared.new_view()
+        held.append(shared.keys[0].shape[0])
+    assert held == [4, 6, 6]

@@ -19,6 +19,8 @@ from refusion.core.config import build_decoder  # noqa: E402
 from refusion.models.backend import Backbone  # noqa: E402
 from refusion.models.loading import resolve_model_path  # noqa: E402
 from refusion.models.tokenizer import encode_prompt  # noqa: E402
+from refusion.serve.engine import Job  # noqa: E402
+from refusion.serve.metrics import parse_metrics  # noqa: E402
 from refusion.serve.server import BackgroundServer, create_state  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
 
@@ -448,3 +450,66 @@ def test_loadtest_reports_delivery_and_matches_offline(server):
     assert report["ttft_ms"]["p50"] is not None and report["tokens_per_s"] > 0
     with pytest.raises(ConfigError, match="loopback"):
         run_loadtest("http://10.1.2.3:8000", QUERIES, 1, 1, 10)
+
+
+def test_the_stream_interval_coalesces_commits_and_the_tokens_stay_the_offline_decode():
+    """AR commits one token per step; with --stream-interval 4 a stream's chunks after the first hold at least
+    4 tokens (the last may hold fewer: what was pending at the end), and the tokens are the offline decode."""
+    model, config = SERVED["ar"]
+    want = offline(model, config, chat_ids(model, QUERIES[0]))
+    assert len(want) > 10
+    for interval in (4, 1):
+        srv = start(model, config, stream_interval=interval)
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            chunks = list(c.chat.completions.create(model=model, messages=[{"role": "user", "content": QUERIES[0]}],
+                                                    stream=True))
+            sizes = [len(ids) for ch in chunks if (ids := (ch.model_extra.get("refusion") or {}).get("token_ids"))]
+            assert [t for ch in chunks for t in (ch.model_extra.get("refusion") or {}).get("token_ids", [])] == want
+            if interval == 4:
+                assert sizes[0] == 1  # the first commit goes out at once
+                assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 2 + (len(want) - 1) // 4
+            else:
+                assert len(sizes) > 2 + (len(want) - 1) // 4  # every commit is a chunk (unless the handler lags)
+            fed, end = len(chat_ids(model, QUERIES[0])) + len(want) - 1, time.monotonic() + 10
+            while True:  # the engine counts a call's tokens before its next call (or as it goes idle)
+                metrics = parse_metrics(raw(srv.url, "GET", "/metrics")[1].decode())
+                if metrics["refusion_tokens_fed_total"] >= fed or time.monotonic() > end:
+                    break
+                time.sleep(0.05)
+            assert metrics["refusion_tokens_fed_total"] == fed  # the prompt, then one token per step
+            assert metrics["refusion_engine_cpu_seconds_total"] > 0
+        finally:
+            srv.stop()
+    with pytest.raises(ValueError, match="stream-interval"):
+        create_state(offline_backbone(model), config, model, stream_interval=0)
+
+
+def test_a_job_sends_its_first_commit_at_once_then_every_interval_and_the_rest_before_it_ends():
+    events = []
+    job = Job([5], build_decoder(offline_backbone("tiny-ar"), SERVED["ar"][1]), None, time.perf_counter() + 9,
+              events.append, stream_interval=3)
+    for token in range(7):
+        job.commit([token])
+    job.flush()
+    assert events == [("commit", [0]), ("commit", [1, 2, 3]), ("commit", [4, 5, 6])]
+    job.commit([7, 8, 9, 10])
+    job.flush()
+    assert events[-1] == ("commit", [7, 8, 9, 10]) and len(events) == 4
+
+
+def test_every_response_names_the_server_that_answered(server):
+    status, body = raw(server.url, "GET", "/health")
+    assert json.loads(body)["server"] == server.state.server_id
+    conn = http.client.HTTPConnection(*server.url.removeprefix("http://").split(":"), timeout=30)
+    try:
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        response.read()
+        assert response.getheader("X-Refusion-Server") == server.state.server_id
+        conn.request("GET", "/nowhere")
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 404 and response.getheader("X-Refusion-Server") == server.state.server_id
+    finally:
+        conn.close()

@@ -185,6 +185,11 @@ def run_loop(loop: LoopSteps, on_commit: Callable[[Commit], None] | None = None)
     return exhaust(drive(loop), on_commit)
 
 
+def rows(request: ForwardRequest) -> int:
+    """The cache rows a request feeds (its ``ids`` are ``[r, T]`` or ``[T]``)."""
+    return request.ids.shape[0] if request.ids.dim() == 2 else 1
+
+
 #: a policy that splits one group's forward requests (in the batch's row order) into several model calls:
 #: -> the calls, each a list of indices into the requests (every index once; each call in row order)
 SplitPolicy = Callable[[list["ForwardRequest"]], list[list[int]]]
@@ -206,7 +211,7 @@ def width_split(call_cost_tokens: float) -> SplitPolicy:
             return [list(range(len(requests)))]
         rows_at = [0] * len(levels)
         for r, w in zip(requests, widths):
-            rows_at[levels.index(w)] += r.ids.shape[0] if r.ids.dim() == 2 else 1
+            rows_at[levels.index(w)] += rows(r)
         best = [0.0] + [float("inf")] * len(levels)  # best[j]: the least cost of levels[:j]
         start = [0] * (len(levels) + 1)  # start[j]: where the last call of best[j] begins
         for j in range(1, len(levels) + 1):
@@ -226,6 +231,7 @@ def width_split(call_cost_tokens: float) -> SplitPolicy:
 def run_loops(
     loops: list[LoopSteps], cache: BatchCache, admit: Callable[[], list[LoopSteps]] | None = None,
     on_commit: Callable[[int, Commit], None] | None = None, split: SplitPolicy | None = None,
+    align_groups: bool = False,
 ) -> list[LoopOutput]:
     """Run several sequences' loops as a batch over one shared ``cache`` (each loop's requests name its
     view of it). Every loop runs until it waits on the device; then all waiting reads are served by ONE
@@ -239,13 +245,20 @@ def run_loops(
     the forwards its sequence took part in (``nfe``), the tokens fed in its rows (``tokens_in``, padding
     included: summed over the sequences, the tokens of the model calls) and when it ended.
     ``on_commit(i, commit)`` receives loop i's commits as they happen. ``split`` (a :data:`SplitPolicy`,
-    e.g. :func:`width_split`): a group's forwards in several model calls (default: one call per group)."""
+    e.g. :func:`width_split`): a group's forwards in several model calls (default: one call per group).
+
+    ``align_groups``: when the waiting forwards belong to several groups, run only the group with the most
+    rows and those holding a forward that waited the round before; the others wait one round. Loops that
+    alternate between groups (a speculative drafter's forward, then the target's) and joined at different
+    times then fall into step, so each round is one call rather than one per group; no forward waits more
+    than one round."""
     all_loops: list[LoopSteps] = []
     outputs: list[LoopOutput | None] = []
     nfe: list[int] = []
     fed: list[int] = []
     views: list[set] = []
     waiting: dict[int, ForwardRequest | Read] = {}
+    held: set[int] = set()  # loops whose forward waited the last round (align_groups)
 
     def advance(i: int, reply: object) -> None:
         while True:
@@ -296,6 +309,13 @@ def run_loops(
         groups: dict[str | None, list[int]] = {}
         for i in sorted(waiting, key=lambda i: cache.row_order(waiting[i].cache)):  # the batch's row order
             groups.setdefault(waiting[i].group, []).append(i)
+        if align_groups and len(groups) > 1:
+            largest = max(groups, key=lambda g: sum(rows(waiting[i]) for i in groups[g]))
+            now = {g: order for g, order in groups.items() if g == largest or held.intersection(order)}
+            held = {i for g, order in groups.items() if g not in now for i in order}
+            groups = now
+        else:
+            held = set()
         replies: dict[int, object] = {}
         calls: list[list[int]] = []
         for order in groups.values():
@@ -309,7 +329,7 @@ def run_loops(
             for i, request, reply in zip(order, requests, cache.forward(requests)):
                 views[i].add(request.cache)
                 nfe[i] += 1
-                fed[i] += (request.ids.shape[0] if request.ids.dim() == 2 else 1) * width
+                fed[i] += rows(request) * width
                 replies[i] = reply
         for i, reply in replies.items():
             advance(i, reply)

@@ -41,9 +41,9 @@ from refusion.core.config import ConfigError, load_config_file
 from refusion.core.threads import set_threads
 from refusion.experiments.bench import bench_config_path, bench_runs, load_bench_config, with_models
 from refusion.experiments.config_files import CONFIGS_DIR, find_config
-from refusion.experiments.crossover import aup, crossover_interval, percentile
+from refusion.experiments.crossover import aup, crossover_interval
 from refusion.experiments.records import SampleRecord, load_records, sample_records
-from refusion.experiments.stats import paired_accuracy, throughput_ratio
+from refusion.experiments.stats import paired_accuracy, percentile, throughput_ratio
 from refusion.experiments.runner import Run, check_batch_size, evaluate, summarize, write_json
 from refusion.models.loading import RuntimeOptions, runtime_from_args
 from refusion.tasks import get_task

@@ -1,4 +1,4 @@
-"""Where a decoder stops paying against AR as the batch grows, latency percentiles and AUP.
+"""Where a decoder stops paying against AR as the batch grows, and AUP.
 
 * :func:`crossing`: the batch size at which a ratio curve (a decoder's aggregate tokens/s over AR's,
   one value per measured batch size) first falls below 1, interpolated between the two measured sizes
@@ -9,7 +9,6 @@
   (``batch_wall_s / batch_samples``), the ratio curve is recomputed from the drawn samples' totals and its
   crossing found again. The interval is therefore over the prompt set (which samples were measured); the
   timing noise of a chunk enters only through the measured chunk times themselves;
-* :func:`percentile`: a latency percentile (linear interpolation between order statistics);
 * :func:`aup`: d3LLM's accuracy under parallelism (AUP) of (TPF, accuracy) points.
 """
 
@@ -22,13 +21,6 @@ from typing import Sequence
 import numpy as np
 
 from refusion.experiments.stats import LEVEL, RESAMPLES, SEED
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, interpolating linearly between order statistics."""
-    if not len(values):
-        raise ValueError("percentile of no values")
-    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 def crossing(sizes: Sequence[int], ratios: Sequence[float]) -> float:

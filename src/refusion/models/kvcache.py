@@ -138,7 +138,7 @@ class RaggedCache:
     Rows are logical: forking, dropping or reordering a sequence's rows only changes ``phys`` (logical
     row -> row of the buffers, repeats allowed). The buffers are gathered into the new order by the next
     forward, in the same copy that forward needs anyway, so a step in which several sequences fork,
-    merge or finish copies the cache once, not once per change."""
+    merge or finish copies the cache once, not once per change; a sequence joining takes a spare row."""
 
     def __init__(self, backbone: "Backbone") -> None:
         self.backbone = backbone
@@ -156,13 +156,35 @@ class RaggedCache:
         view = CacheView(self, [len(self.lengths)])
         self.lengths.append(0)
         self.views.append(view)
-        if self.keys:
-            self.phys.append(self.keys[0].shape[0])
-            self.keys = [torch.cat([k, k.new_zeros((1, *k.shape[1:]))]) for k in self.keys]
-            self.values = [torch.cat([v, v.new_zeros((1, *v.shape[1:]))]) for v in self.values]
-        else:
-            self.phys.append(len(self.phys))
+        self.phys.append(self._free_row() if self.keys else len(self.phys))
         return view
+
+    def _free_row(self) -> int:
+        """A zeroed buffer row no logical row uses (a spare one: no copy; else the buffers grow by half)."""
+        held, used = self.keys[0].shape[0], set(self.phys)
+        row = next((p for p in range(held) if p not in used), None)
+        if row is None:
+            row, grow = held, max(1, held // 2)
+            self.keys = [torch.cat([k, k.new_zeros((grow, *k.shape[1:]))]) for k in self.keys]
+            self.values = [torch.cat([v, v.new_zeros((grow, *v.shape[1:]))]) for v in self.values]
+        else:
+            for t in (*self.keys, *self.values):
+                t[row].zero_()
+        return row
+
+    def _gather(self, physical: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """New buffers holding the buffer rows ``physical`` at rows ``0 .. n-1`` (one copy), keeping the
+        current row count when it is ``n`` to ``2n`` (spare rows, uninitialised, for sequences joining)."""
+        n, held = len(physical), self.keys[0].shape[0]
+        rows = held if n <= held <= 2 * n else n
+        index = from_host(physical, self.keys[0].device, torch.long)
+
+        def take(t: Tensor) -> Tensor:
+            out = t.new_empty((rows, *t.shape[1:]))
+            torch.index_select(t, 0, index, out=out[:n])
+            return out
+
+        return [take(k) for k in self.keys], [take(v) for v in self.values]
 
     def _set_rows(self, view: "CacheView", new_rows: list[int]) -> None:
         """Replace ``view``'s rows by ``new_rows`` (indices of current rows, repeats allowed), keeping every
@@ -206,10 +228,8 @@ class RaggedCache:
 
     def _materialize(self) -> None:
         """Gather the buffers into logical row order (one copy; none when they are in it already)."""
-        if self.keys and self.phys != list(range(self.keys[0].shape[0])):
-            index = from_host(self.phys, self.keys[0].device, torch.long)
-            self.keys = [k.index_select(0, index) for k in self.keys]
-            self.values = [v.index_select(0, index) for v in self.values]
+        if self.keys and self.phys != list(range(len(self.phys))):
+            self.keys, self.values = self._gather(self.phys)
         self.phys = list(range(len(self.lengths)))
 
     # ------------------------------------------------------------------ forward
@@ -248,9 +268,12 @@ class RaggedCache:
         every = len(rows) == len(self.lengths)
         if not every:  # a forward of some sequences alone: their rows are copied out and back
             self._materialize()
-        physical = [self.phys[r] for r in rows]
-        if every and physical == list(range(self.keys[0].shape[0])):
-            keys, values = self.keys, self.values  # rows already in this order: no copy
+        physical, n, gathered = [self.phys[r] for r in rows], len(rows), None  # gathered: new buffers
+        if every and physical == list(range(n)):  # rows already in this order: no copy
+            keys, values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
+        elif every:
+            gathered = self._gather(physical)
+            keys, values = [k[:n] for k in gathered[0]], [v[:n] for v in gathered[1]]
         else:
             index = from_host(physical, dev, torch.long)
             keys = [k.index_select(0, index) for k in self.keys]
@@ -280,8 +303,9 @@ class RaggedCache:
         else:
             logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask, kind=kind,
                                 logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
-        if every:  # the gathered buffers are the cache now, row i holding logical row rows[i]
-            self.keys, self.values = keys, values
+        if every:  # the buffers hold logical row rows[i] at row i now (written in place)
+            if gathered is not None:
+                self.keys, self.values = gathered
             for i, r in enumerate(rows):
                 self.phys[r] = i
         elif any(req.keep_kv for req in requests):  # else the new KV lies past every row's length: scratch

@@ -15,12 +15,15 @@ Every error is OpenAI's error object with a message naming the field; ``/v1/*`` 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
 import os
 import secrets
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from refusion.serve.engine import Engine, Job
+from refusion.serve.engine import STREAM_INTERVAL, Engine, Job
 from refusion.serve.options import EXTENSION, DecoderPool
 from refusion.serve.protocol import (
     MAX_BODY_BYTES, REQUEST_TIMEOUT_S, ChatRequest, CompletionRequest, RequestError, parse,
@@ -37,6 +40,8 @@ from refusion.serve.protocol import (
 from refusion.serve.text import FinalText
 
 
+#: the response header naming the server that answered (``ServeState.server_id``)
+SERVER_HEADER = "X-Refusion-Server"
 #: how often a waiting handler checks whether its client is still there (seconds)
 DISCONNECT_POLL_S = 0.2
 
@@ -46,14 +51,58 @@ class ServeState:
 
     def __init__(self, engine: Engine, pool: DecoderPool, model_name: str, model_path: str | None = None,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, shutdown_grace_s: float = 30.0) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, shutdown_grace_s: float = 30.0,
+                 stream_interval: int = STREAM_INTERVAL, server_id: str | None = None) -> None:
         self.engine, self.pool, self.model_name, self.model_path = engine, pool, model_name, model_path
         self.api_key, self.max_body_bytes, self.request_timeout_s = api_key, max_body_bytes, request_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
+        if stream_interval < 1:
+            raise ValueError(f"--stream-interval: must be at least 1, got {stream_interval}")
+        self.stream_interval = stream_interval
+        #: names this server in every response (:data:`SERVER_HEADER`) and in ``/health``: a replica's id
+        self.server_id = server_id or f"{socket.gethostname()}:{os.getpid()}"
         self.tokenizer = pool.backbone.tokenizer
         self.eos_ids = pool.backbone.eos_ids
         self.vocab = len(self.tokenizer)
         self.created = int(time.time())
+
+
+class Inbox:
+    """A request's events from the engine thread, read by its handler on the event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.events: collections.deque[tuple] = collections.deque()
+        self.ready = asyncio.Event()
+
+    def sink(self) -> Callable[[tuple], None]:
+        """The job's sink: called on the engine thread, hands the event to the event loop."""
+        return lambda event: self.loop.call_soon_threadsafe(self._put, event)
+
+    def _put(self, event: tuple) -> None:
+        self.events.append(event)
+        self.ready.set()
+
+    def take(self) -> tuple | None:
+        """The next event, the commits right behind it joined to it; None when there is none."""
+        if not self.events:
+            self.ready.clear()
+            return None
+        event = self.events.popleft()
+        if event[0] == "commit" and self.events and self.events[0][0] == "commit":
+            tokens = list(event[1])
+            while self.events and self.events[0][0] == "commit":
+                tokens += self.events.popleft()[1]
+            event = ("commit", tokens)
+        return event
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for an event; -> whether one came."""
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 def error_response(err: RequestError) -> JSONResponse:
@@ -127,11 +176,10 @@ def build_app(state: ServeState) -> Starlette:
     async def decode(request: Request, req, prompt_ids: list[int], chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         decoder = state.pool.decoder(req.refusion, req.temperature, req.max_tokens, len(prompt_ids))
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events = Inbox()
         arrived = time.perf_counter()
-        job = Job(prompt_ids, decoder, req.seed, arrived + state.request_timeout_s,
-                  lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        job = Job(prompt_ids, decoder, req.seed, arrived + state.request_timeout_s, events.sink(),
+                  state.stream_interval)
         state.engine.submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         text = FinalText(state.tokenizer, req.stop_strings)
@@ -140,7 +188,8 @@ def build_app(state: ServeState) -> Starlette:
         checked = [arrived]
 
         async def next_event() -> tuple:
-            """The job's next event; ("gone",) when the client has disconnected (checked every 0.2 s)."""
+            """The job's next event, with the commits already waiting behind it joined to it (one chunk for
+            what is final now); ("gone",) when the client has disconnected (checked every 0.2 s)."""
             while True:
                 now = time.perf_counter()
                 if now - checked[0] >= DISCONNECT_POLL_S:
@@ -148,11 +197,12 @@ def build_app(state: ServeState) -> Starlette:
                     if await request.is_disconnected():
                         job.cancel("disconnect")
                         return ("gone",)
-                try:  # the engine ends every job with an event; the backstop is the deadline
-                    return await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if time.perf_counter() > job.deadline + 30:
-                        return ("error", 504, "the request timed out (--request-timeout)")
+                event = events.take()
+                if event is not None:
+                    return event
+                # the engine ends every job with an event; the backstop is the deadline
+                if not await events.wait(DISCONNECT_POLL_S) and time.perf_counter() > job.deadline + 30:
+                    return ("error", 504, "the request timed out (--request-timeout)")
 
         def finish_reason(ids: list[int]) -> str:
             return "stop" if text.stopped or (ids and ids[-1] in state.eos_ids) else "length"
@@ -299,7 +349,7 @@ def build_app(state: ServeState) -> Starlette:
         running, queued = state.engine.counts()
         ok = state.engine.accepting
         return JSONResponse({"status": "ok" if ok else "shutting down", "running": running, "queued": queued,
-                             "pid": os.getpid()},
+                             "pid": os.getpid(), "server": state.server_id},
                             status_code=200 if ok else 503)
 
     async def metrics_page(request: Request) -> Response:
@@ -327,4 +377,24 @@ def build_app(state: ServeState) -> Starlette:
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics_page, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    return with_server_header(app, state.server_id)
+
+
+def with_server_header(app, server_id: str):
+    """``app`` (ASGI) answering every HTTP response with the header ``X-Refusion-Server: server_id``, which
+    names the server (the replica, behind a proxy) that answered."""
+    header = (SERVER_HEADER.lower().encode(), server_id.encode())
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        return await app(scope, receive, send_with_header)
+
+    return wrapped

@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     validate_config(config)  # a bad config fails before the model loads
     key = _api_key(args.api_key_file)
     for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
-                             ("--admit-min", args.admit_min, 1),
+                             ("--admit-min", args.admit_min, 1), ("--stream-interval", args.stream_interval, 1),
                              ("--max-body-bytes", args.max_body_bytes, 1024), ("--port", args.port, 0)):
         if value < low:
             raise ConfigError(f"{flag}: must be at least {low}, got {value}")
@@ -87,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = create_state(backbone, config, args.served_model_name or str(model), str(path), args.max_batch,
                          args.max_queue, key, max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
-                         admit_min=args.admit_min, admit_wait_s=args.admit_wait, call_cost_tokens=call_cost)
+                         admit_min=args.admit_min, admit_wait_s=args.admit_wait, call_cost_tokens=call_cost,
+                         align_groups=args.align_groups, stream_interval=args.stream_interval)
     serve_forever(state, args.host, args.port, args.log_level)
     return 0
 
@@ -123,7 +124,8 @@ def _serve_replicas(args: argparse.Namespace, model: str, config: dict, key: str
                  gpus_per_replica=args.gpus_per_replica, blocking=True, max_batch=args.max_batch,
                  max_queue=args.max_queue, api_key=key, max_body_bytes=args.max_body_bytes,
                  request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, threads=args.threads,
-                 admit_min=args.admit_min, admit_wait_s=args.admit_wait, call_cost_tokens=call_cost)
+                 admit_min=args.admit_min, admit_wait_s=args.admit_wait, call_cost_tokens=call_cost,
+                 align_groups=args.align_groups, stream_interval=args.stream_interval)
     return 0
 
 
@@ -147,7 +149,7 @@ def add_serve_commands(sub, add_model_args) -> None:
     from refusion.core.config import add_decoder_config_args
     from refusion.core.threads import add_threads_arg
     from refusion.experiments.args import add_split_arg
-    from refusion.serve.engine import ADMIT_MIN, ADMIT_WAIT_S, CALL_COST_TOKENS_CPU
+    from refusion.serve.engine import ADMIT_MIN, ADMIT_WAIT_S, CALL_COST_TOKENS_CPU, STREAM_INTERVAL
     from refusion.serve.protocol import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (needs .[serve])",
@@ -171,6 +173,13 @@ def add_serve_commands(sub, add_model_args) -> None:
                    help=f"a model call's fixed cost in tokens fed: rows of different widths go in separate calls "
                         f"when that saves more padding (default auto: {CALL_COST_TOKENS_CPU:g} on the CPU, off "
                         f"elsewhere)")
+    s.add_argument("--no-align-groups", dest="align_groups", action="store_false",
+                   help="run every request group's call in each round (default: where sequences wait in several "
+                        "groups, e.g. a speculative drafter's and target's calls, the largest runs and the others "
+                        "wait one round, so sequences admitted at different times fall into step)")
+    s.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL, metavar="N",
+                   help=f"a request's commits are sent once N tokens are pending (its first at once, the rest at "
+                        f"its end): fewer, larger chunks (default {STREAM_INTERVAL}; 1: every commit)")
     s.add_argument("--api-key-file", help="file holding the API key clients must send as 'Authorization: Bearer KEY'")
     s.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
                    help=f"seconds a request may take from arrival to its last token (default {REQUEST_TIMEOUT_S:g})")

@@ -20,7 +20,11 @@ goes on with a fresh cache.
 
 Events a sink receives, from the engine thread: ``("commit", token_ids)`` (final output, left to right),
 ``("end", token_ids)`` (the loop's whole output) or ``("error", status, message)``; exactly one of the last
-two ends each admitted or rejected job, except a job cancelled by its own handler (disconnect, stop).
+two ends each admitted or rejected job, except a job cancelled by its own handler (disconnect, stop). A
+job's commits are coalesced by its ``stream_interval``: its first commit is sent at once, later ones once
+``stream_interval`` tokens are pending, and what is pending is sent before its ``end`` (each event is a
+wake-up of the handler's event loop, and for a streamed request one HTTP chunk: AR commits one token per
+step).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ _ids = itertools.count()
 #: defaults of the admission policy (see :class:`Engine`)
 ADMIT_MIN = 8
 ADMIT_WAIT_S = 0.5
+#: tokens a job's commits hold before they are sent to its handler (the first commit goes at once; see the
+#: module docstring): 4 makes AR's chunks 4 tokens and leaves the diffusion decoders' multi-token commits as
+#: they are (docs/serving.md#streaming-what-final-means measures it)
+STREAM_INTERVAL = 4
 #: a model call's fixed cost in tokens fed on the CPU (docs/profile.md's cost model of the tiny models: 12 ms
 #: per call, 118 us per token): rows of different widths go in separate calls when that saves more padding
 CALL_COST_TOKENS_CPU = 100.0
@@ -58,12 +66,31 @@ class Job:
     """One request in the engine: its prompt, its decoder, its seed, its deadline and its sink."""
 
     def __init__(self, prompt_ids: list[int], decoder, seed: int | None, deadline: float,
-                 sink: Callable[[tuple], None]) -> None:
+                 sink: Callable[[tuple], None], stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: must be at least 1, got {stream_interval}")
         self.id = next(_ids)
         self.prompt_ids, self.decoder, self.deadline, self.sink = prompt_ids, decoder, deadline, sink
         self.seed = decoder.options.seed if seed is None else seed
         self.arrived = time.perf_counter()
         self.cancel_reason: str | None = None
+        self.stream_interval = stream_interval
+        self.pending: list[int] = []  # committed tokens not yet sent
+        self.commits_sent = 0
+
+    def commit(self, token_ids: list[int]) -> None:
+        """Hold newly committed tokens; send what is pending as one commit event when it is the first or
+        reaches ``stream_interval`` tokens."""
+        self.pending += token_ids
+        if not self.commits_sent or len(self.pending) >= self.stream_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the pending tokens (if any) as one commit event."""
+        if self.pending:
+            tokens, self.pending = self.pending, []
+            self.commits_sent += 1
+            self.send(("commit", tokens))
 
     def cancel(self, reason: str) -> None:
         """Stop the job at its next step (or skip it while queued); the first reason stays."""
@@ -83,7 +110,7 @@ class Engine:
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
                  admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True,
-                 call_cost_tokens: float | None | str = "auto") -> None:
+                 call_cost_tokens: float | None | str = "auto", align_groups: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be at least 1, got {max_batch}")
         if max_queue < 0:
@@ -103,6 +130,9 @@ class Engine:
         self.call_cost_tokens = (default_call_cost_tokens(decoder.backbone.device) if call_cost_tokens == "auto"
                                  else call_cost_tokens)
         self._split = None if self.call_cost_tokens is None else width_split(self.call_cost_tokens)
+        #: run one request group per model-call round where loops wait in several, so that sequences admitted
+        #: at different times fall into step (:func:`~refusion.core.loop.run_loops`' ``align_groups``)
+        self.align_groups = align_groups
         self.metrics = metrics or server_metrics()
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
@@ -110,7 +140,8 @@ class Engine:
         self._accepting = True
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._nfe = decoder.backbone.nfe
+        self._nfe = self._fed = 0  # the backbone's counts of calls and tokens fed at the last count
+        self._cpu = 0.0  # the engine thread's CPU time at the last count
         self.cache = None
 
     # ------------------------------------------------------------------ the handlers' side
@@ -173,13 +204,15 @@ class Engine:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        bb = self.decoder.backbone
+        self._nfe, self._fed, self._cpu = bb.nfe, bb.tokens_in, time.thread_time()
         while True:
             with self._cond:
                 if self._stopping and not self._running:
                     return
             self.cache = self.decoder.new_batch_cache()
             try:
-                run_loops([], self.cache, admit=self._admit, split=self._split)
+                run_loops([], self.cache, admit=self._admit, split=self._split, align_groups=self.align_groups)
             except Exception as e:  # a model call failed: fail the batch it served, go on with a fresh cache
                 with self._cond:
                     failed, self._running = list(self._running), set()
@@ -188,11 +221,18 @@ class Engine:
                     job.send(("error", 500, f"the batch failed: {type(e).__name__}: {e}"))
                 self.metrics.set("refusion_batch_size", 0)
 
+    def _count_calls(self) -> None:
+        """Add the model calls, tokens fed and engine-thread CPU time since the last count to the metrics."""
+        bb = self.decoder.backbone
+        cpu = time.thread_time()
+        self.metrics.inc("refusion_forward_calls_total", bb.nfe - self._nfe)
+        self.metrics.inc("refusion_tokens_fed_total", bb.tokens_in - self._fed)
+        self.metrics.inc("refusion_engine_cpu_seconds_total", cpu - self._cpu)
+        self._nfe, self._fed, self._cpu = bb.nfe, bb.tokens_in, cpu
+
     def _admit(self) -> list[LoopSteps]:
         """Before each model call: the queued jobs that fit in the batch (blocks while idle)."""
-        bb = self.decoder.backbone
-        self.metrics.inc("refusion_forward_calls_total", bb.nfe - self._nfe)
-        self._nfe = bb.nfe
+        self._count_calls()
         with self._cond:
             while not self._queue and not self._running and not self._stopping:
                 self._cond.wait()
@@ -248,11 +288,12 @@ class Engine:
                 try:
                     step = loop.send(reply)
                 except StopIteration as stop:
+                    job.flush()
                     job.send(("end", list(stop.value.token_ids)))
                     return stop.value
                 if isinstance(step, Commit):
                     self.metrics.inc("refusion_generation_tokens_total", len(step.token_ids))
-                    job.send(("commit", list(step.token_ids)))
+                    job.commit(list(step.token_ids))
                     reply = None
                     continue
                 if isinstance(step, ForwardRequest):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from refusion.core.config import ConfigError
+from refusion.experiments.stats import percentile
 from refusion.serve.metrics import parse_metrics
 from refusion.serve.net import is_loopback
 
@@ -54,14 +54,6 @@ class Outcome:
     chunk_times: list[float] = field(default_factory=list)
     ended_at: float = 0.0
     message: str = ""
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100, nearest rank) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 class Client:
@@ -229,7 +221,7 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
     tokens = sum(len(o.token_ids) for o in ok)
 
     def ms(values: list[float]) -> dict[str, float | None]:
-        return {f"p{q}": (None if (v := percentile(values, q)) is None else 1000 * v) for q in (50, 95, 99)}
+        return {f"p{q}": 1000 * percentile(values, q) if values else None for q in (50, 95, 99)}
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -240,6 +232,7 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
         "requests": len(outcomes), "sent": len(sent), "completed": len(ok),
         "disconnected": sum(o.status == "disconnected" for o in sent), "not_sent": len(outcomes) - len(sent),
         "errors": errors, "concurrency": concurrency, "wall_s": wall, "completion_tokens": tokens,
+        "chunks": sum(len(o.chunk_times) for o in sent),
         "tokens_per_s": tokens / wall if wall else 0.0, "requests_per_s": len(ok) / wall if wall else 0.0,
         "ttft_ms": ms(ttft), "itl_ms": ms(itl),
         "delivery": {
@@ -255,6 +248,8 @@ def report(outcomes: list[Outcome], wall: float, before: dict, after: dict, memo
             "rss_mb_end": after.get("process_resident_memory_bytes", 0) / 2**20,
             "cancelled_disconnect": delta('refusion_cancelled_total{reason="disconnect"}'),
             "forward_calls": delta("refusion_forward_calls_total"),
+            "tokens_fed": delta("refusion_tokens_fed_total"),
+            "engine_cpu_s": delta("refusion_engine_cpu_seconds_total"),
             "cpu_s": delta("process_cpu_seconds_total"),  # the server's CPU time over the run
         },
     }

@@ -133,6 +133,10 @@ def server_metrics() -> Metrics:
     m.declare("refusion_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.")
     m.declare("refusion_generation_tokens_total", "counter", "Tokens committed (final output) by the engine.")
     m.declare("refusion_forward_calls_total", "counter", "Model forward calls of the engine.")
+    m.declare("refusion_tokens_fed_total", "counter", "Tokens fed to the model by the engine's calls, padding "
+              "included (rows x width, summed over calls).")
+    m.declare("refusion_engine_cpu_seconds_total", "counter", "CPU time of the engine thread (the rest of "
+              "process_cpu_seconds_total is the HTTP side's).")
     m.declare("refusion_cancelled_total", "counter", "Requests whose decode stopped early, by reason "
               "(disconnect, stop, timeout, shutdown).")
     m.declare("refusion_batch_size", "gauge", "Sequences in the running batch.")

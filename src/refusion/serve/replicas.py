@@ -4,7 +4,8 @@ spreads requests over the replicas and streams their responses through.
 
 Each replica loads the model on its own device (with ``num_gpus=1`` per replica Ray gives each its own
 GPU, seen as ``cuda``), runs its own engine thread and batch, and answers ``/metrics`` and ``/health``
-for itself. The proxy listens on ``host:port`` (loopback by default).
+for itself; every response names the replica that answered in its ``X-Refusion-Server`` header
+(``refusion#<replica id>``). The proxy listens on ``host:port`` (loopback by default).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def replica_class():
             set_threads(settings.pop("threads", None))
             path = resolve_model_path(model)
             backbone = Backbone.from_pretrained(path, **runtime)
-            self.state = create_state(backbone, config, model_name, str(path), **settings)
+            replica = serve.get_replica_context().replica_id.unique_id
+            self.state = create_state(backbone, config, model_name, str(path), server_id=f"{APP_NAME}#{replica}",
+                                      **settings)
 
         def __serve_build_asgi_app__(self):
             from refusion.serve.app import build_app

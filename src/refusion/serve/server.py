@@ -82,7 +82,7 @@ class BackgroundServer:
 def create_state(backbone, config: dict, model_name: str, model_path: str | None = None, max_batch: int = 16,
                  max_queue: int = 64, api_key: str | None = None, admit_min: int | None = None,
                  admit_wait_s: float | None = None, call_cost_tokens: float | None | str = "auto",
-                 **settings: Any) -> ServeState:
+                 align_groups: bool = True, **settings: Any) -> ServeState:
     """The engine, decoder pool and settings of a server of ``config`` (a decoder config mapping) on
     ``backbone``; ``settings``: :class:`~refusion.serve.app.ServeState`'s (max_body_bytes, ...)."""
     from refusion.serve.engine import Engine
@@ -91,5 +91,5 @@ def create_state(backbone, config: dict, model_name: str, model_path: str | None
     pool = DecoderPool(backbone, config)
     admission = {k: v for k, v in (("admit_min", admit_min), ("admit_wait_s", admit_wait_s)) if v is not None}
     engine = Engine(pool.base, max_batch=max_batch, max_queue=max_queue, call_cost_tokens=call_cost_tokens,
-                    **admission)
+                    align_groups=align_groups, **admission)
     return ServeState(engine, pool, model_name, model_path, api_key=api_key, **settings)
