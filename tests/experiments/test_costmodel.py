@@ -7,8 +7,8 @@ import torch
 
 from refusion.core.loop import FULL, Attention, ForwardRequest
 from refusion.experiments.costmodel import (
-    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, calibrate_loop, crossover, features, fit, predict_decode,
-    scale_rows,
+    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, breakdown, calibrate_loop, crossover, feature_totals,
+    features, fit, predict_decode, refusion_floor, scale_rows,
 )
 from refusion.models.backend import ForwardShape
 from refusion.models.kvcache import RaggedCache
@@ -137,3 +137,66 @@ def test_forward_log_records_each_kind(backbone):
     backbone.forward_log, backbone.time_forwards = [], True
     cache.forward(ForwardRequest(cache, torch.tensor([8]), torch.arange(3, 4)))
     assert backbone.forward_log[0].seconds > 0
+
+
+def test_refusion_floor_by_hand():
+    """Two sequences (P 3 and 5, G 4 and 2) in the fewest calls: both in both ragged calls."""
+    floor = dict(zip(FEATURES, refusion_floor([3, 5], [4, 2])))
+    assert floor == {"fixed_causal": 0, "fixed_masked": 0, "fixed_segments": 0, "fixed_ragged": 2,
+                     "fixed_ragged_masked": 0, "ragged_row": 4, "token": 11 + 9, "narrow": 4 + 2,
+                     "key": (4 + 7) + (6 + 7), "pair": 11 * 4 + 9 * 6, "logit": 6}
+    alone = dict(zip(FEATURES, refusion_floor([3], [4], calls=5, sequence_forwards=[5])))
+    assert (alone["fixed_causal"], alone["fixed_ragged"], alone["ragged_row"], alone["narrow"]) == (5, 0, 0, 4 + 4)
+    assert (alone["key"], alone["pair"]) == (4 * 4 + 7, 11 * 4)
+    # 5 calls, the first holding all 4 sequences; the other 4 hold 7 more rows: one call of 4, three of 1;
+    # 8 more rows: one of 4, one of 2, two of 1
+    assert dict(zip(FEATURES, refusion_floor([2] * 4, [1] * 4, 5, [2, 3, 4, 2])))["narrow"] == 4 + 4 + 1 + 1 + 1
+    assert dict(zip(FEATURES, refusion_floor([2] * 4, [1] * 4, 5, [2, 3, 4, 3])))["narrow"] == 4 + 4 + 2 + 1 + 1
+    for bad in ({"calls": 1}, {"sequence_forwards": [1, 2]}, {"calls": 3, "sequence_forwards": [4, 2]}):
+        with pytest.raises(ValueError, match="sequence_forwards"):
+            refusion_floor([3, 5], [4, 2], **bad)
+    with pytest.raises(ValueError, match="calls: 4 calls cannot hold"):
+        refusion_floor([3, 5], [4, 2], calls=4, sequence_forwards=[2, 2])  # a call would hold no sequence
+
+
+def test_refusion_floor_is_reached_by_the_least_decode(backbone):
+    """One token in a slot of one, drafted with the prefill and committed by Stage II-a: the decode is the
+    floor, term by term, alone and in a batch of prompts of one length (no padding)."""
+    from refusion.core.config import build_decoder
+
+    decoder = build_decoder(backbone, {"decoder": "refusion", "gen_length": 1, "slot_size": 1})
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    for batch in ([prompts[0]], prompts):
+        backbone.forward_log = []
+        results = [decoder.generate(batch[0])] if len(batch) == 1 else decoder.generate_batch(batch)
+        log, backbone.forward_log = backbone.forward_log, None
+        assert len(log) == 2 and [len(r.token_ids) for r in results] == [1] * len(batch)
+        assert feature_totals(log) == refusion_floor([3] * len(batch), [1] * len(batch))
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"draft_window": 1}, {"fused": True}, {"slot_size": 2, "draft_budget": 4},
+    {"correct": True, "join_adjacent": True}, {"remasker": "sub_slot"}])
+def test_refusion_floor_is_below_every_decode(backbone, settings):
+    """On a random model (many Stage II-b rounds, remasks, EOS anywhere), every feature of ReFusion's recorded
+    forwards, alone and in a batch of three, is at least the floor's for the same sequences, calls and
+    sequence-forwards; the minimum schedule (two calls) is below that again."""
+    from refusion.core.config import build_decoder
+
+    decoder = build_decoder(backbone, {"decoder": "refusion", "gen_length": 12, "slot_size": 4, **settings})
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    for batch in ([prompts[0]], prompts):
+        backbone.forward_log = []
+        results = [decoder.generate(batch[0])] if len(batch) == 1 else decoder.generate_batch(batch)
+        log, backbone.forward_log = backbone.forward_log, None
+        recorded = feature_totals(log)
+        generated = [len(r.token_ids) for r in results]
+        nfe = [r.stats.nfe for r in results]
+        floor = refusion_floor([len(p) for p in batch], generated, len(log), nfe)
+        least = refusion_floor([len(p) for p in batch], generated)
+        for name, got, low, lowest in zip(FEATURES, recorded, floor, least):
+            assert got >= low >= lowest, (name, len(batch), got, low, lowest)
+        model = CostModel(KNOWN)
+        priced = breakdown(model, recorded, LoopCost(1e-3, 2e-4), len(log), sum(nfe))
+        assert priced["total"] == pytest.approx(model.total(log)[0] + 1e-3 * len(log) + 2e-4 * sum(nfe))
+        assert breakdown(model, floor, LoopCost(1e-3, 2e-4), len(log), sum(nfe))["total"] <= priced["total"]
