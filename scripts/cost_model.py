@@ -42,11 +42,14 @@ from pathlib import Path
 import torch
 
 from refusion.core.config import build_decoder
+from refusion.experiments.ablate import build_runs, load_ablation
 from refusion.experiments.bench import bench_runs, load_bench_config
 from refusion.experiments.costmodel import (
-    EAGER_FIXED_S, GRAPH_FIXED_S, H100, QWEN3_0_6B, DecodeProfile, calibrate_loop, crossover, fit, measure,
-    predict_decode, predicted_rates, roofline,
+    EAGER_FIXED_S, FEATURES, GRAPH_FIXED_S, GROUPS, H100, QWEN3_0_6B, CostModel, DecodeProfile, LoopCost, breakdown,
+    calibrate_loop, crossover, feature_totals, fit, measure, predict_decode, predicted_rates, refusion_floor,
+    roofline,
 )
+from refusion.experiments.tables import markdown
 from refusion.models.backend import Backbone, ForwardShape
 from refusion.models.tokenizer import encode_prompt
 from refusion.tasks import get_task
@@ -187,12 +190,12 @@ def analyse(data: dict, out: Path) -> None:
                 rows.append({"decoder": label, "task": t, "batch_size": size, **pred})
     print("loop cost (ms per call + per sequence-forward): " + ", ".join(
         f"{k} {1e3 * v.per_call:.3f} + {1e3 * v.per_sequence:.3f}" for k, v in loop.items()))
-    print("\n| decoder | task | batch | measured tok/s | predicted tok/s | error | fixed share of predicted time | calls |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['decoder']} | {row['task']} | {row['batch_size']} | {row['measured_tokens_per_second']:.0f} | "
-              f"{row['predicted_tokens_per_second']:.0f} | {100 * row['error']:+.1f}% | "
-              f"{100 * row['fixed_s'] / row['predicted_s']:.0f}% | {row['calls']} |")
+    print("\n" + markdown(
+        ["decoder", "task", "batch", "measured tok/s", "predicted tok/s", "error", "fixed share of predicted time",
+         "calls"],
+        [[r["decoder"], r["task"], str(r["batch_size"]), f"{r['measured_tokens_per_second']:.0f}",
+          f"{r['predicted_tokens_per_second']:.0f}", f"{100 * r['error']:+.1f}%",
+          f"{100 * r['fixed_s'] / r['predicted_s']:.0f}%", str(r["calls"])] for r in rows]), end="")
     worst = max(rows, key=lambda x: abs(x["error"]))
     print(f"\nlargest error: {100 * worst['error']:+.1f}% ({worst['decoder']}, {worst['task']}, batch {worst['batch_size']}); "
           f"{sum(abs(x['error']) <= 0.15 for x in rows)} of {len(rows)} rows within 15%")
@@ -213,11 +216,10 @@ def analyse(data: dict, out: Path) -> None:
         predictions[where] = table
         if table:
             sizes_shown = list(table[0]["vs_ar"])
-            print(f"\npredicted tokens/s over AR's, {where}\n| decoder | task | " +
-                  " | ".join(f"batch {s}" for s in sizes_shown) + " | crossover |\n|---|---|" + "---|" * (len(sizes_shown) + 1))
-            for row in table:
-                print(f"| {row['decoder']} | {row['task']} | " + " | ".join(f"{v:.2f}" for v in row["vs_ar"].values()) +
-                      f" | {row['crossover'] or '> ' + str(sizes_shown[-1])} |")
+            print(f"\npredicted tokens/s over AR's, {where}\n" + markdown(
+                ["decoder", "task", *(f"batch {s}" for s in sizes_shown), "crossover"],
+                [[r["decoder"], r["task"], *(f"{v:.2f}" for v in r["vs_ar"].values()),
+                  str(r["crossover"] or f"> {sizes_shown[-1]}")] for r in table]), end="")
     out.mkdir(parents=True, exist_ok=True)
     (out / "cost_model.json").write_text(json.dumps({
         "model": model.as_dict(), "loop": {k: asdict(v) for k, v in loop.items()}, "rows": rows,
@@ -225,11 +227,96 @@ def analyse(data: dict, out: Path) -> None:
         "predictions": predictions}, indent=1))
 
 
+def bound(a, fitted: dict) -> list[dict]:
+    """Step 5 (``--bound GRID``): every run of the ablation GRID decoded on its split in chunks of
+    ``--batch-size``, its recorded forwards priced by the fit (``fitted``: a ``cost_model.json``) with its
+    decoder's loop cost; each ReFusion run's forwards again at the least widths
+    (:func:`~refusion.experiments.costmodel.refusion_floor` with its own calls and sequence-forwards); and
+    ReFusion's floor, the fewest calls (2 per chunk) at the least widths, for the baseline's answer lengths."""
+    cfg = load_ablation(a.bound)
+    tasks = [t for t in a.tasks.split(",") if t]
+    if unknown := [t for t in tasks if t not in cfg.tasks]:
+        raise SystemExit(f"--tasks: {unknown} not among the grid's tasks {cfg.tasks}")
+    runs = build_runs(cfg, batch_size=a.batch_size)
+    baseline = cfg.baseline or "ar"
+    if baseline not in [r.label for r in runs]:
+        raise SystemExit(f"--bound: the grid has no baseline run {baseline!r} to compare with")
+    model = CostModel.from_dict(fitted["model"])
+    loops = {k: LoopCost(**v) for k, v in fitted["loop"].items()}
+    if missing := sorted({r.decoder for r in runs} - set(loops)):
+        raise SystemExit(f"--fit: no loop cost for {missing} (run this script with --decoders including them)")
+    limit, size = a.limit or cfg.limit, runs[0].batch_size
+    bbs = {m: Backbone.from_pretrained(m) for m in dict.fromkeys(r.model for r in runs)}
+    rows = []
+    for t in tasks:
+        task = get_task(t)
+        examples = task.examples(cfg.split, limit)
+        chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+        answers = {}  # run -> per chunk (prompt lengths, generated tokens)
+        for r in runs:
+            decoder = build_decoder(bbs[r.model], r.configs[t])
+            seconds: dict[str, float] = {}
+            least = fed = 0.0
+            calls = correct = 0
+            for chunk in chunks:
+                prompts = [encode_prompt(bbs[r.model].tokenizer, e.query) for e in chunk]
+                profile, results = decode(decoder, prompts)
+                nfe, generated = [res.stats.nfe for res in results], [res.stats.generated_tokens for res in results]
+                answers.setdefault(r.label, []).append(([len(p) for p in prompts], generated))
+                totals = feature_totals(profile.shapes)
+                for k, v in breakdown(model, totals, loops[r.decoder], len(profile.shapes), sum(nfe)).items():
+                    seconds[k] = seconds.get(k, 0.0) + v
+                if r.decoder == "refusion":
+                    floor = refusion_floor([len(p) for p in prompts], generated, len(profile.shapes), nfe)
+                    least += breakdown(model, floor, loops[r.decoder], len(profile.shapes), sum(nfe))["total"]
+                fed += totals[FEATURES.index("token")]
+                calls += len(profile.shapes)
+                correct += sum(task.score(e, res.text) for e, res in zip(chunk, results))
+            tokens = sum(sum(g) for _, g in answers[r.label])
+            rows.append({"task": t, "run": r.label, "decoder": r.decoder, "accuracy": 100 * correct / len(examples),
+                         "tokens": tokens, "calls": calls, "fed_per_token": fed / tokens, "seconds": seconds,
+                         "least_widths_s": least if r.decoder == "refusion" else None})
+        floor: dict[str, float] = {}
+        fed = 0.0
+        for p, g in answers[baseline]:  # per chunk: 2 calls, each sequence in both
+            least = refusion_floor(p, g)
+            fed += least[FEATURES.index("token")]
+            for k, v in breakdown(model, least, loops["refusion"], 2, 2 * len(p)).items():
+                floor[k] = floor.get(k, 0.0) + v
+        tokens = sum(sum(g) for _, g in answers[baseline])
+        rows.append({"task": t, "run": f"floor ({baseline}'s answers)", "decoder": "refusion", "accuracy": None,
+                     "tokens": tokens, "calls": 2 * len(chunks), "fed_per_token": fed / tokens, "seconds": floor,
+                     "least_widths_s": None})
+        base = next(x for x in rows if x["task"] == t and x["run"] == baseline)
+        for x in rows:
+            if x["task"] == t:
+                x["tokens_per_second"] = x["tokens"] / x["seconds"]["total"]
+                x["vs_baseline"] = x["tokens_per_second"] / base["tokens_per_second"]
+                x["least_widths_vs_baseline"] = (x["tokens"] / x["least_widths_s"] / base["tokens_per_second"]
+                                                 if x["least_widths_s"] else None)
+    return rows
+
+
+def print_bound(rows: list[dict], batch_size: int) -> None:
+    """The bound's table: per run, its predicted tokens/s over the baseline's and where its time goes."""
+    groups = [*GROUPS, "loop"]
+    print(f"\npredicted at batch {batch_size}, each run's recorded forwards (shares of its predicted time); "
+          "least widths: the same calls and sequence-forwards at the floor's widths\n" + markdown(
+              ["task", "run", "acc %", "calls", "fed/token", "predicted tok/s", "x baseline",
+               *(f"{g} %" for g in groups), "least widths: x baseline"],
+              [[x["task"], x["run"], "" if x["accuracy"] is None else f"{x['accuracy']:.1f}", str(x["calls"]),
+                "" if x["fed_per_token"] is None else f"{x['fed_per_token']:.2f}", f"{x['tokens_per_second']:.0f}",
+                f"{x['vs_baseline']:.2f}",
+                *(f"{100 * x['seconds'][g] / x['seconds']['total']:.0f}" if g in x["seconds"] else "" for g in groups),
+                "" if x["least_widths_vs_baseline"] is None else f"{x['least_widths_vs_baseline']:.2f}"]
+               for x in rows]), end="")
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decoders", default="ar,refusion,llada,block,spec-diffusion")
     ap.add_argument("--tasks", default="arith,code,facts")
-    ap.add_argument("--limit", type=int, default=16, help="test samples per task")
+    ap.add_argument("--limit", type=int, default=None, help="test samples per task (default 16; with --bound: "
+                                                             "the grid's)")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--calibrate", type=int, default=4, help="validation samples per task decoded one by one "
                                                              "for the loop cost")
@@ -244,7 +331,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refit", type=Path, nargs="+", metavar="DIR",
                     help="analyse DIR/profiles.json again, decoding nothing; several DIRs (runs of the same "
                          "decoders, tasks and batch sizes) are pooled and the analysis goes to --out")
+    ap.add_argument("--bound", nargs="?", const="tune_batch_refusion", default=None, metavar="GRID",
+                    help="price every run of an ablation grid (default: tune_batch_refusion) at --batch-size from "
+                         "its recorded forwards with the fit of --fit, against ReFusion's floor; decodes, times nothing")
+    ap.add_argument("--fit", type=Path, metavar="DIR", help="with --bound: a run of this script (DIR/cost_model.json)")
+    ap.add_argument("--batch-size", type=int, default=16, help="with --bound: samples per decode call")
     a = ap.parse_args(argv)
+    if a.bound:
+        if a.fit is None or not (a.fit / "cost_model.json").is_file():
+            ap.error(f"--bound needs --fit DIR holding a cost_model.json (written by a run of this script); "
+                     f"got {a.fit}")
+        torch.set_num_threads(1)
+        rows = bound(a, json.loads((a.fit / "cost_model.json").read_text()))
+        print_bound(rows, a.batch_size)
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "bound.json").write_text(json.dumps({"grid": a.bound, "fit": str(a.fit), "batch_size": a.batch_size,
+                                                       "rows": rows}, indent=1))
+        return 0
+    a.limit = a.limit or 16
     if a.calibrate < 1:
         ap.error("--calibrate: need at least 1 validation sample per task")
     if a.refit:
