@@ -2,14 +2,17 @@
 
     .venv/bin/python scripts/cost_model.py [--decoders ar,refusion,llada,block,spec-diffusion]
         [--tasks arith,code,facts] [--limit 16] [--batch-sizes 1,4,16] [--calibrate 4] [--calibrate-batch 16]
-        [--repeats 7] [--compile [MODE]] [--clock wall|cpu] [--out runs/cost_model]
-    .venv/bin/python scripts/cost_model.py --refit runs/cost_model   # the analysis again, from profiles.json
+        [--repeats 7] [--compile [MODE]] [--clock wall|cpu] [--grid warm|cold|both] [--out runs/cost_model]
+    .venv/bin/python scripts/cost_model.py --refit runs/cost_model [--grid cold] [--out DIR]   # from profiles.json
     .venv/bin/python scripts/cost_model.py --refit runs/a runs/b --out runs/ab   # two runs pooled
+    .venv/bin/python scripts/cost_model.py --bound [GRID] --fit runs/cost_model [--tasks facts] [--batch-size 16]
 
 1. Fits :mod:`refusion.experiments.costmodel` on timed forwards of every shape of its grid through the
    decoders' caches (the first decoder's model; the shipped tiny models share one shape), timed before
    the decodes and again after each task's (the machine's load drifts; pooled), and prints the
-   coefficients.
+   coefficients. ``--grid``: each shape timed right after an untimed call of itself (``warm``, the
+   default: a decode's next step of that shape), after the grid's previous shape (``cold``), or both in
+   the same run (the fit on warm; ``--refit OUT --grid cold --out DIR`` fits the cold timings).
 2. Calibrates each decoder's loop cost (:class:`~refusion.experiments.costmodel.LoopCost`: seconds of work
    outside forwards per model call and per sequence-forward) on validation decodes: ``--calibrate``
    samples per task one by one, and the first ``--calibrate-batch`` samples per task in one batch (0: none;
@@ -28,6 +31,13 @@
    and on an H100-class GPU by assumption (:func:`refusion.experiments.costmodel.roofline` for a 0.6B
    shape, eager: the fixed cost measured on an H200; with CUDA graphs: ``GRAPH_FIXED_S``), from the
    forwards recorded here (32 and 64: the batch-16 forwards in lock-step). Writes ``OUT/cost_model.json``.
+5. ``--bound [GRID] --fit DIR`` (no timing): decodes every run of an ablation grid (default
+   ``tune_batch_refusion``) on its split in chunks of ``--batch-size``, prices each run's recorded forwards
+   with DIR's fit and loop costs (predicted tokens/s over the grid's baseline, and the shares of fixed
+   cost, tokens, attention, logits and loop), each ReFusion run's calls again at the least widths, and
+   ReFusion's floor (:func:`~refusion.experiments.costmodel.refusion_floor`: 2 calls per chunk at the least
+   widths, for the baseline's answer lengths), an upper bound under the model on any schedule's tokens/s.
+   Writes ``OUT/bound.json``.
    One torch thread.
 """
 
@@ -112,7 +122,14 @@ def collect(a, clock) -> dict:
     bbs = {m: Backbone.from_pretrained(m, compile=a.compile) for m in dict.fromkeys(r.model for r in runs)}
     decoders = {(r.label, t): build_decoder(bbs[r.model], r.configs[t]) for r in runs for t in tasks}
     grid_bb = bbs[runs[0].model]
-    timed = measure(grid_bb, repeats=a.repeats, clock=clock)  # again after each task's decodes: pooled
+    orders = ("warm", "cold") if a.grid == "both" else (a.grid,)
+    timed: dict[str, list[ForwardShape]] = {o: [] for o in orders}
+
+    def time_grid() -> None:  # before the decodes and again after each task's: pooled
+        for order in orders:
+            timed[order] += measure(grid_bb, repeats=a.repeats, clock=clock, warm=order == "warm")
+
+    time_grid()
 
     def prompts(task: str, split: str, n: int) -> dict[str, list[list[int]]]:
         exs = get_task(task).examples(split, n)
@@ -142,22 +159,25 @@ def collect(a, clock) -> dict:
         else:
             calibration.setdefault(r.label, []).append({"task": t, "batch_size": size, **profile_to_json(profile)})
         if i + 1 == len(chunks) or chunks[i + 1][0] != ti:  # a task's decodes are done
-            timed += measure(grid_bb, repeats=a.repeats, clock=clock)
+            time_grid()
     return {"decoders": [r.label for r in runs], "tasks": tasks, "batch_sizes": sizes, "limit": a.limit,
             "calibrate": a.calibrate, "calibrate_batch": a.calibrate_batch, "clock": a.clock, "compile": a.compile,
-            "model": runs[0].model, "grid": shapes_to_json(timed), "calibration": calibration, "test": test_profiles}
+            "model": runs[0].model, "grid_order": orders[0], "grid": shapes_to_json(timed[orders[0]]),
+            **({"grid_cold": shapes_to_json(timed["cold"])} if len(orders) == 2 else {}),
+            "calibration": calibration, "test": test_profiles}
 
 
 def pool(runs: list[dict]) -> dict:
     """Several runs' measurements as one: every timed grid forward, every calibration decode and, per
     (decoder, task, batch size), every test decode (their tokens and times summed when merged)."""
     first = runs[0]
-    keys = ("decoders", "tasks", "batch_sizes", "clock", "compile", "model")
+    keys = ("decoders", "tasks", "batch_sizes", "clock", "compile", "model", "grid_order")
     for other in runs[1:]:
         for k in keys:
             if other[k] != first[k]:
                 raise SystemExit(f"--refit: the runs differ in {k}: {first[k]!r} and {other[k]!r}")
     out = {**first, "grid": [s for r in runs for s in r["grid"]],
+           **({"grid_cold": [s for r in runs for s in r["grid_cold"]]} if all("grid_cold" in r for r in runs) else {}),
            "calibration": {label: [d for r in runs for d in r["calibration"][label]] for label in first["calibration"]},
            "test": {k: [d for r in runs for d in r["test"][k]] for k in first["test"]}}
     if len(runs) > 1:
@@ -169,7 +189,8 @@ def analyse(data: dict, out: Path) -> None:
     """Steps 1, 2 and 4 from :func:`collect`'s measurements: the fit, the loop costs, the predictions."""
     labels, tasks, sizes = data["decoders"], data["tasks"], data["batch_sizes"]
     model = fit([ForwardShape(*s) for s in data["grid"]], device="cpu, 1 thread",
-                note=f"{data['model']}, compile {data['compile']}, {data['clock']} clock, grid timed before the decodes "
+                note=f"{data['model']}, compile {data['compile']}, {data['clock']} clock, grid timed {data['grid_order']} "
+                     "before the decodes "
                      "and after each task's")
     print(f"forward cost model ({model.note}; fit error median {100 * model.fit_error['median']:.1f}%, "
           f"max {100 * model.fit_error['max']:.1f}%)\n{model.markdown()}")
@@ -327,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
                     help="wall time (default), or this thread's CPU time: the work alone, on a CPU shared with "
                          "other processes (one torch thread)")
-    ap.add_argument("--out", type=Path, default=Path("runs/cost_model"))
+    ap.add_argument("--grid", choices=("warm", "cold", "both"), default=None,
+                    help="time each grid shape right after a call of itself (warm, the default: as a decode's next "
+                         "step of that shape runs), after the grid's previous shape (cold), or both (the fit on "
+                         "warm; --refit DIR --grid cold fits on the cold timings of the same run)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default runs/cost_model; with one --refit "
+                                                           "DIR: DIR)")
     ap.add_argument("--refit", type=Path, nargs="+", metavar="DIR",
                     help="analyse DIR/profiles.json again, decoding nothing; several DIRs (runs of the same "
                          "decoders, tasks and batch sizes) are pooled and the analysis goes to --out")
@@ -342,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--bound needs --fit DIR holding a cost_model.json (written by a run of this script); "
                      f"got {a.fit}")
         torch.set_num_threads(1)
+        a.out = a.out or Path("runs/cost_model")
         rows = bound(a, json.loads((a.fit / "cost_model.json").read_text()))
         print_bound(rows, a.batch_size)
         a.out.mkdir(parents=True, exist_ok=True)
@@ -349,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "rows": rows}, indent=1))
         return 0
     a.limit = a.limit or 16
+    if a.refit and a.grid == "both":
+        ap.error("--refit fits on one grid: --grid warm or cold")
     if a.calibrate < 1:
         ap.error("--calibrate: need at least 1 validation sample per task")
     if a.refit:
@@ -357,10 +386,19 @@ def main(argv: list[str] | None = None) -> int:
             path = folder / "profiles.json"
             if not path.is_file():
                 ap.error(f"--refit: no {path} (written by a run of this script with --out {folder})")
-            runs.append(json.loads(path.read_text()))
-        analyse(pool(runs), a.refit[0] if len(a.refit) == 1 else a.out)
+            run = json.loads(path.read_text())
+            run.setdefault("grid_order", "cold")  # runs before the warm grid timed each shape after the previous one
+            if a.grid == "cold" and run["grid_order"] != "cold" and "grid_cold" in run:
+                run["grid"], run["grid_order"] = run["grid_cold"], "cold"
+            if a.grid not in (None, run["grid_order"]):
+                ap.error(f"--refit --grid {a.grid}: {path} holds no grid timed {a.grid}")
+            runs.append(run)
+        if len(a.refit) > 1 and a.out is None:
+            ap.error("--refit with several runs: give --out for the pooled analysis")
+        analyse(pool(runs), a.out or a.refit[0])
         return 0
     torch.set_num_threads(1)
+    a.grid, a.out = a.grid or "warm", a.out or Path("runs/cost_model")
     data = collect(a, CLOCKS[a.clock])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profiles.json").write_text(json.dumps(data))

@@ -242,6 +242,19 @@ def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):
     assert (tmp_path / "both" / "cost_model.json").is_file()
     assert run_script("cost_model.py", "--refit", str(tmp_path / "none")) == 2
     assert "--refit: no" in capsys.readouterr().err
+    # a run that timed the grid both ways: --grid cold fits the cold timings (here twice the warm ones)
+    data["grid_order"], data["grid_cold"] = "warm", [[*g[:5], 2 * g[5]] for g in grid]
+    both = tmp_path / "both_grids"
+    both.mkdir()
+    (both / "profiles.json").write_text(json.dumps(data))
+    assert run_script("cost_model.py", "--refit", str(both), "--grid", "cold", "--out", str(tmp_path / "cold")) == 0
+    cold = json.loads((tmp_path / "cold" / "cost_model.json").read_text())["model"]["coef"]
+    assert cold["fixed_causal"] == pytest.approx(2 * coef["fixed_causal"])
+    assert not (both / "cost_model.json").exists()  # --out took the analysis
+    del data["grid_cold"]
+    (both / "profiles.json").write_text(json.dumps(data))
+    assert run_script("cost_model.py", "--refit", str(both), "--grid", "cold") == 2
+    assert "holds no grid timed cold" in capsys.readouterr().err
 
 
 def test_suite_cost_times_the_same_tests_at_a_base_commit_and_now():

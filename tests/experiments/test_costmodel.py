@@ -200,3 +200,32 @@ def test_refusion_floor_is_below_every_decode(backbone, settings):
         priced = breakdown(model, recorded, LoopCost(1e-3, 2e-4), len(log), sum(nfe))
         assert priced["total"] == pytest.approx(model.total(log)[0] + 1e-3 * len(log) + 2e-4 * sum(nfe))
         assert breakdown(model, floor, LoopCost(1e-3, 2e-4), len(log), sum(nfe))["total"] <= priced["total"]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_measure_times_each_shape_after_a_call_of_itself_when_warm(monkeypatch, warm):
+    """Warm: every timed call comes right after an untimed call of the same shape; cold: after the grid's
+    previous shape (the warm-up round aside)."""
+    import refusion.experiments.costmodel as cm
+
+    calls, timed = [], []
+
+    class Bb:
+        def synchronize(self):
+            pass
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(cm, "forward_call", lambda bb, *shape: lambda: calls.append(shape))
+
+    def clock():
+        timed.append(len(calls))  # calls made before this clock read
+        return float(next(ticks))
+
+    grid = [("causal", 1, 1, 8), ("ragged", 4, 16, 8, "all")]
+    shapes = cm.measure(Bb(), grid, repeats=2, clock=clock, warm=warm)
+    assert [s.kind for s in shapes] == ["causal", "ragged"] and all(s.seconds == 1.0 for s in shapes)
+    starts = timed[::2]  # each timed call starts at a clock read; the read after it ends the timing
+    before = [calls[i - 1] for i in starts]
+    ran = [calls[i] for i in starts]
+    assert (before == ran) is warm
+    assert len(calls) == len(grid) * (1 + 2 * (2 if warm else 1))

@@ -209,10 +209,15 @@ def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logi
 
 
 def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
-            clock: Callable[[], float] = time.perf_counter) -> list[ForwardShape]:
+            clock: Callable[[], float] = time.perf_counter, warm: bool = True) -> list[ForwardShape]:
     """Time one forward of every ``(kind, rows, fed, past[, logits])`` of ``grid`` (logits ``last`` when not
     given) through the decoders' caches: ``repeats`` rounds, each timing every shape once in grid order
     (interleaved, so machine noise hits all alike), after one untimed round; the median per shape.
+    ``warm`` (default): each timed call right after an untimed call of the same shape, as a decode's next
+    step of that shape runs (on the CPU a one-token call costs up to 1.7 ms more right after a call of 16 x
+    64 tokens than after another one-token call: what the wide call evicted is read again); what a
+    decoder's own mix of calls adds is its loop's per-call cost (:func:`calibrate_loop`). Without it each
+    call follows the grid's previous shape.
     ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time (one torch
     thread on a CPU shared with other processes: the work, not the waiting)."""
     grid = [(*g, "last") if len(g) == 4 else tuple(g) for g in grid]
@@ -225,6 +230,8 @@ def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
     times: list[list[float]] = [[] for _ in grid]
     for _ in range(repeats):
         for i, call in enumerate(calls):
+            if warm:
+                call()
             bb.synchronize()
             t0 = clock()
             call()
