@@ -16,7 +16,9 @@
 2. Calibrates each decoder's loop cost (:class:`~refusion.experiments.costmodel.LoopCost`: seconds of work
    outside forwards per model call and per sequence-forward) on validation decodes: ``--calibrate``
    samples per task one by one, and the first ``--calibrate-batch`` samples per task in one batch (0: none;
-   then the loop cost is per sequence-forward alone).
+   then the loop cost is per sequence-forward alone). Every forward of every decode is timed on the same
+   clock (``Backbone.time_forwards``; no synchronisation on the CPU), so the time outside forwards is
+   measured, not inferred (``--loop residual``: the decode's time less its forwards' predicted costs).
 3. Decodes the first ``--limit`` test samples per task with each decoder at each batch size, in chunks
    interleaved by their first sample (the bench's order; the calibration decodes among them), each
    (decoder, batch size) after one untimed warm-up chunk; records every forward's shape
@@ -44,6 +46,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import asdict
@@ -77,12 +80,14 @@ def backbones_of(decoder) -> list[Backbone]:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def decode(decoder, prompts: list[list[int]], clock=time.perf_counter) -> tuple[DecodeProfile, list]:
-    """Decode ``prompts`` in one ``generate_batch`` call (``generate`` for one), recording every forward;
-    the profile's time is ``clock``'s over the call."""
+def decode(decoder, prompts: list[list[int]], clock=time.perf_counter,
+           time_forwards: bool = False) -> tuple[DecodeProfile, list]:
+    """Decode ``prompts`` in one ``generate_batch`` call (``generate`` for one), recording every forward
+    (each timed on ``clock`` with ``time_forwards``: no synchronisation on the CPU); the profile's time is
+    ``clock``'s over the call."""
     bbs = backbones_of(decoder)
     for bb in bbs:
-        bb.forward_log = []
+        bb.forward_log, bb.time_forwards, bb.forward_clock = [], time_forwards, clock
     try:
         t0 = clock()
         results = [decoder.generate(prompts[0])] if len(prompts) == 1 else decoder.generate_batch(prompts)
@@ -90,7 +95,7 @@ def decode(decoder, prompts: list[list[int]], clock=time.perf_counter) -> tuple[
     finally:
         shapes = [s for bb in bbs for s in bb.forward_log]
         for bb in bbs:
-            bb.forward_log = None
+            bb.forward_log, bb.time_forwards, bb.forward_clock = None, False, time.perf_counter
     seq_forwards = sum(r.stats.nfe + int((r.stats.extra or {}).get("draft_forwards", 0)) for r in results)
     return DecodeProfile(shapes, seq_forwards, sum(r.stats.generated_tokens for r in results), wall), results
 
@@ -153,7 +158,7 @@ def collect(a, clock) -> dict:
     for i, (ti, first, split, ri, size) in enumerate(chunks):
         r, t = runs[ri], tasks[ti]
         ps = (test if split == "test" else val)[t][r.model][first:first + size]
-        profile, _ = decode(decoders[r.label, t], ps, clock)
+        profile, _ = decode(decoders[r.label, t], ps, clock, time_forwards=True)
         if split == "test":
             test_profiles.setdefault(f"{r.label}|{t}|{size}", []).append(profile_to_json(profile))
         else:
@@ -185,8 +190,10 @@ def pool(runs: list[dict]) -> dict:
     return out
 
 
-def analyse(data: dict, out: Path) -> None:
-    """Steps 1, 2 and 4 from :func:`collect`'s measurements: the fit, the loop costs, the predictions."""
+def analyse(data: dict, out: Path, residual: bool = False) -> None:
+    """Steps 1, 2 and 4 from :func:`collect`'s measurements: the fit, the loop costs (each decode's time
+    outside its forwards: measured where they were timed, unless ``residual``: its time less the forwards'
+    predicted costs), the predictions."""
     labels, tasks, sizes = data["decoders"], data["tasks"], data["batch_sizes"]
     model = fit([ForwardShape(*s) for s in data["grid"]], device="cpu, 1 thread",
                 note=f"{data['model']}, compile {data['compile']}, {data['clock']} clock, grid timed {data['grid_order']} "
@@ -199,7 +206,10 @@ def analyse(data: dict, out: Path) -> None:
     for label in labels:
         groups: dict[tuple[str, int], list[DecodeProfile]] = {}
         for d in data["calibration"][label]:
-            groups.setdefault((d["task"], d["batch_size"]), []).append(profile_from_json(d))
+            p = profile_from_json(d)
+            if residual:
+                p.shapes = [ForwardShape(*dataclasses.astuple(x)[:5]) for x in p.shapes]  # untimed
+            groups.setdefault((d["task"], d["batch_size"]), []).append(p)
         loop[label] = calibrate_loop(model, [merge(ps) for ps in groups.values()])
     got = {tuple(k.split("|")[:2]) + (int(k.split("|")[2]),): merge([profile_from_json(d) for d in v])
            for k, v in data["test"].items()}
@@ -352,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time each grid shape right after a call of itself (warm, the default: as a decode's next "
                          "step of that shape runs), after the grid's previous shape (cold), or both (the fit on "
                          "warm; --refit DIR --grid cold fits on the cold timings of the same run)")
+    ap.add_argument("--loop", choices=("measured", "residual"), default="measured",
+                    help="each calibration decode's loop time: measured outside its timed forwards (default; "
+                         "the residual for runs whose forwards were not timed), or its time less the forwards' "
+                         "predicted costs (residual)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default runs/cost_model; with one --refit "
                                                            "DIR: DIR)")
     ap.add_argument("--refit", type=Path, nargs="+", metavar="DIR",
@@ -395,14 +409,14 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
         if len(a.refit) > 1 and a.out is None:
             ap.error("--refit with several runs: give --out for the pooled analysis")
-        analyse(pool(runs), a.out or a.refit[0])
+        analyse(pool(runs), a.out or a.refit[0], residual=a.loop == "residual")
         return 0
     torch.set_num_threads(1)
     a.grid, a.out = a.grid or "warm", a.out or Path("runs/cost_model")
     data = collect(a, CLOCKS[a.clock])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profiles.json").write_text(json.dumps(data))
-    analyse(data, a.out)
+    analyse(data, a.out, residual=a.loop == "residual")
     return 0
 
 

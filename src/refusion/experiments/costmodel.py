@@ -267,15 +267,26 @@ class LoopCost:
         return self.per_call * len(profile.shapes) + self.per_sequence * profile.sequence_forwards
 
 
+def outside_forwards(model: CostModel, profile: DecodeProfile) -> float:
+    """Seconds of ``profile``'s wall time outside its forwards: measured, when every forward was timed
+    (:attr:`~refusion.models.backend.Backbone.time_forwards`, on the profile's clock), else what the forwards'
+    predicted costs leave (a forward priced too high or too low then moves the loop's share); at least 0."""
+    if profile.shapes and all(s.seconds is not None for s in profile.shapes):
+        inside = sum(s.seconds for s in profile.shapes)
+    else:
+        inside = model.total(profile.shapes)[0]
+    return max(0.0, profile.wall_s - inside)
+
+
 def calibrate_loop(model: CostModel, profiles: DecodeProfile | Sequence[DecodeProfile]) -> LoopCost:
-    """The :class:`LoopCost` that the part of each profile's wall time its forwards' predicted costs leave
-    fits best: non-negative least squares on the relative error of that part, over ``profiles``. Profiles
-    of batch size 1 alone (as many calls as sequence-forwards) cannot tell the two terms apart: then the
-    whole cost is per sequence-forward. A profile whose forwards take more than its wall time counts 0."""
+    """The :class:`LoopCost` that fits each profile's time outside its forwards (:func:`outside_forwards`)
+    best: non-negative least squares on the relative error of that part, over ``profiles``. Profiles of
+    batch size 1 alone (as many calls as sequence-forwards) cannot tell the two terms apart: then the
+    whole cost is per sequence-forward."""
     profiles = [profiles] if isinstance(profiles, DecodeProfile) else list(profiles)
     if not profiles:
         raise ValueError("profiles: need at least one decode profile to calibrate the loop cost")
-    left = np.array([max(0.0, p.wall_s - model.total(p.shapes)[0]) for p in profiles])  # [n] seconds
+    left = np.array([outside_forwards(model, p) for p in profiles])  # [n] seconds
     a = np.array([[len(p.shapes), p.sequence_forwards] for p in profiles], dtype=float)  # [n, 2]
     if all(len(p.shapes) == p.sequence_forwards for p in profiles) or not left.any():
         return LoopCost(0.0, float(left.sum() / max(1, a[:, 1].sum())))
