@@ -1,6 +1,8 @@
 """The forward cost model: the fit recovers known coefficients, decode predictions add up, and the
 backbone's forward log records what each forward computed."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from refusion.core.loop import FULL, Attention, ForwardRequest
 from refusion.experiments.costmodel import (
     FEATURES, GRID, CostModel, DecodeProfile, LoopCost, breakdown, calibrate_loop, crossover, feature_totals,
-    features, fit, predict_decode, refusion_floor, scale_rows,
+    features, fit, outside_forwards, predict_decode, refusion_floor, scale_rows,
 )
 from refusion.models.backend import ForwardShape
 from refusion.models.kvcache import RaggedCache
@@ -106,6 +108,25 @@ def test_loop_cost_separates_per_call_from_per_sequence_work():
     assert one.per_call == 0 and one.per_sequence == pytest.approx(2.5e-3)
     with pytest.raises(ValueError, match="profiles: need at least one"):
         calibrate_loop(model, [])
+
+
+def test_loop_cost_from_timed_forwards_ignores_the_fits_error():
+    """Forwards timed in the decode: the loop's share is the time outside them, however far the fit prices
+    them from what they took (here 30% too high, which the residual would take out of the loop)."""
+    truth, fitted = CostModel(KNOWN), CostModel({k: 1.3 * v for k, v in KNOWN.items()})
+    loop = LoopCost(per_call=2e-3, per_sequence=0.5e-3)
+
+    def profile(calls: int, rows: int, timed: bool) -> DecodeProfile:
+        shape = ForwardShape(rows, 1, 40, rows, "ragged" if rows > 1 else "causal")
+        shapes = [ForwardShape(*dataclasses.astuple(shape)[:5], truth.predict(shape) if timed else None)] * calls
+        p = DecodeProfile(shapes, calls * rows, calls * rows, 0.0)
+        return DecodeProfile(shapes, p.sequence_forwards, p.tokens, truth.total(shapes)[0] + loop.seconds(p))
+
+    timed = calibrate_loop(fitted, [profile(30, 1, True), profile(30, 16, True)])
+    assert timed.per_call == pytest.approx(loop.per_call) and timed.per_sequence == pytest.approx(loop.per_sequence)
+    residual = calibrate_loop(fitted, [profile(30, 1, False), profile(30, 16, False)])
+    assert residual.per_call < 0.6 * loop.per_call  # the fit's 30% taken out of the loop
+    assert outside_forwards(fitted, profile(3, 1, True)) == pytest.approx(3 * (loop.per_call + loop.per_sequence))
 
 
 def test_scale_rows_and_crossover():
