@@ -58,7 +58,8 @@ from refusion.core.config import build_decoder
 from refusion.experiments.ablate import build_runs, load_ablation
 from refusion.experiments.bench import bench_runs, load_bench_config
 from refusion.experiments.costmodel import (
-    EAGER_FIXED_S, FEATURES, GRAPH_FIXED_S, GROUPS, H100, QWEN3_0_6B, CostModel, DecodeProfile, LoopCost, breakdown,
+    EAGER_FIXED_S, FEATURES, GRAPH_FIXED_S, GROUPS, H100, QWEN3_0_6B, WARM_CALLS, CostModel, DecodeProfile, LoopCost,
+    SwitchCost, breakdown,
     calibrate_loop, crossover, feature_totals, fit, measure, predict_decode, predicted_rates, refusion_floor,
     roofline,
 )
@@ -86,14 +87,15 @@ def decode(decoder, prompts: list[list[int]], clock=time.perf_counter,
     (each timed on ``clock`` with ``time_forwards``: no synchronisation on the CPU); the profile's time is
     ``clock``'s over the call."""
     bbs = backbones_of(decoder)
+    log: list[ForwardShape] = []  # one list: the calls of every model in call order
     for bb in bbs:
-        bb.forward_log, bb.time_forwards, bb.forward_clock = [], time_forwards, clock
+        bb.forward_log, bb.time_forwards, bb.forward_clock = log, time_forwards, clock
     try:
         t0 = clock()
         results = [decoder.generate(prompts[0])] if len(prompts) == 1 else decoder.generate_batch(prompts)
         wall = clock() - t0
     finally:
-        shapes = [s for bb in bbs for s in bb.forward_log]
+        shapes = list(log)
         for bb in bbs:
             bb.forward_log, bb.time_forwards, bb.forward_clock = None, False, time.perf_counter
     seq_forwards = sum(r.stats.nfe + int((r.stats.extra or {}).get("draft_forwards", 0)) for r in results)
@@ -132,7 +134,7 @@ def collect(a, clock) -> dict:
 
     def time_grid() -> None:  # before the decodes and again after each task's: pooled
         for order in orders:
-            timed[order] += measure(grid_bb, repeats=a.repeats, clock=clock, warm=order == "warm")
+            timed[order] += measure(grid_bb, repeats=a.repeats, clock=clock, warm=WARM_CALLS if order == "warm" else 0)
 
     time_grid()
 
@@ -167,7 +169,7 @@ def collect(a, clock) -> dict:
             time_grid()
     return {"decoders": [r.label for r in runs], "tasks": tasks, "batch_sizes": sizes, "limit": a.limit,
             "calibrate": a.calibrate, "calibrate_batch": a.calibrate_batch, "clock": a.clock, "compile": a.compile,
-            "model": runs[0].model, "grid_order": orders[0], "grid": shapes_to_json(timed[orders[0]]),
+            "model": runs[0].model, "grid_order": orders[0], "warm_calls": WARM_CALLS, "grid": shapes_to_json(timed[orders[0]]),
             **({"grid_cold": shapes_to_json(timed["cold"])} if len(orders) == 2 else {}),
             "calibration": calibration, "test": test_profiles}
 
@@ -195,12 +197,20 @@ def analyse(data: dict, out: Path, residual: bool = False) -> None:
     outside its forwards: measured where they were timed, unless ``residual``: its time less the forwards'
     predicted costs), the predictions."""
     labels, tasks, sizes = data["decoders"], data["tasks"], data["batch_sizes"]
+    order = data["grid_order"] + (f" ({data.get('warm_calls', 1)} calls before each)" if data["grid_order"] == "warm" else "")
     model = fit([ForwardShape(*s) for s in data["grid"]], device="cpu, 1 thread",
-                note=f"{data['model']}, compile {data['compile']}, {data['clock']} clock, grid timed {data['grid_order']} "
-                     "before the decodes "
-                     "and after each task's")
+                note=f"{data['model']}, compile {data['compile']}, {data['clock']} clock, grid timed {order} "
+                     "before the decodes and after each task's")
     print(f"forward cost model ({model.note}; fit error median {100 * model.fit_error['median']:.1f}%, "
           f"max {100 * model.fit_error['max']:.1f}%)\n{model.markdown()}")
+    cold = None
+    if data.get("grid_cold"):
+        cold = fit([ForwardShape(*s) for s in data["grid_cold"]], device="cpu, 1 thread",
+                   note=f"{data['model']}, the same run's grid timed cold")
+        print(f"cold: each call after another shape ({cold.note}; fit error median "
+              f"{100 * cold.fit_error['median']:.1f}%, max {100 * cold.fit_error['max']:.1f}%)\n{cold.markdown()}\n"
+              "a decode's call that repeats its predecessor's shape is priced warm, any other cold")
+    cpu = SwitchCost(model, cold) if cold else model
     # one profile per (task, batch size) of the calibration decodes
     loop = {}
     for label in labels:
@@ -210,14 +220,14 @@ def analyse(data: dict, out: Path, residual: bool = False) -> None:
             if residual:
                 p.shapes = [ForwardShape(*dataclasses.astuple(x)[:5]) for x in p.shapes]  # untimed
             groups.setdefault((d["task"], d["batch_size"]), []).append(p)
-        loop[label] = calibrate_loop(model, [merge(ps) for ps in groups.values()])
+        loop[label] = calibrate_loop(cpu, [merge(ps) for ps in groups.values()])
     got = {tuple(k.split("|")[:2]) + (int(k.split("|")[2]),): merge([profile_from_json(d) for d in v])
            for k, v in data["test"].items()}
     rows = []
     for label in labels:
         for t in tasks:
             for size in sizes:
-                pred = predict_decode(model, got[label, t, size], loop[label])
+                pred = predict_decode(cpu, got[label, t, size], loop[label])
                 rows.append({"decoder": label, "task": t, "batch_size": size, **pred})
     print("loop cost (ms per call + per sequence-forward): " + ", ".join(
         f"{k} {1e3 * v.per_call:.3f} + {1e3 * v.per_sequence:.3f}" for k, v in loop.items()))
@@ -231,7 +241,7 @@ def analyse(data: dict, out: Path, residual: bool = False) -> None:
     print(f"\nlargest error: {100 * worst['error']:+.1f}% ({worst['decoder']}, {worst['task']}, batch {worst['batch_size']}); "
           f"{sum(abs(x['error']) <= 0.15 for x in rows)} of {len(rows)} rows within 15%")
     predictions = {}
-    for where, cost in (("this CPU", model), ("H100, eager (assumed)", roofline(QWEN3_0_6B, H100, EAGER_FIXED_S)),
+    for where, cost in (("this CPU", cpu), ("H100, eager (assumed)", roofline(QWEN3_0_6B, H100, EAGER_FIXED_S)),
                         ("H100, CUDA graphs (assumed)", roofline(QWEN3_0_6B, H100, GRAPH_FIXED_S))):
         rates = {(label, t): predicted_rates(cost, {s: got[label, t, s] for s in sizes}, loop[label])
                  for label in labels for t in tasks}
@@ -253,7 +263,7 @@ def analyse(data: dict, out: Path, residual: bool = False) -> None:
                   str(r["crossover"] or f"> {sizes_shown[-1]}")] for r in table]), end="")
     out.mkdir(parents=True, exist_ok=True)
     (out / "cost_model.json").write_text(json.dumps({
-        "model": model.as_dict(), "loop": {k: asdict(v) for k, v in loop.items()}, "rows": rows,
+        "model": model.as_dict(), "cold_model": cold.as_dict() if cold else None, "loop": {k: asdict(v) for k, v in loop.items()}, "rows": rows,
         "limit": data["limit"], "calibrate": data["calibrate"], "calibrate_batch": data["calibrate_batch"],
         "predictions": predictions}, indent=1))
 
@@ -273,6 +283,13 @@ def bound(a, fitted: dict) -> list[dict]:
     if baseline not in [r.label for r in runs]:
         raise SystemExit(f"--bound: the grid has no baseline run {baseline!r} to compare with")
     model = CostModel.from_dict(fitted["model"])
+    cold = CostModel.from_dict(fitted["cold_model"]) if fitted.get("cold_model") else None
+    pricer = SwitchCost(model, cold) if cold else model
+    floor_models = [model, cold] if cold else [model]
+
+    def floor_terms(vector: list[float]) -> dict[str, float]:  # the cheaper fit's price: still a lower bound
+        return min((m.terms(vector) for m in floor_models), key=lambda t: sum(t.values()))
+
     loops = {k: LoopCost(**v) for k, v in fitted["loop"].items()}
     if missing := sorted({r.decoder for r in runs} - set(loops)):
         raise SystemExit(f"--fit: no loop cost for {missing} (run this script with --decoders including them)")
@@ -295,11 +312,12 @@ def bound(a, fitted: dict) -> list[dict]:
                 nfe, generated = [res.stats.nfe for res in results], [res.stats.generated_tokens for res in results]
                 answers.setdefault(r.label, []).append(([len(p) for p in prompts], generated))
                 totals = feature_totals(profile.shapes)
-                for k, v in breakdown(model, totals, loops[r.decoder], len(profile.shapes), sum(nfe)).items():
+                for k, v in breakdown(pricer.terms_of(profile.shapes), loops[r.decoder], len(profile.shapes),
+                                      sum(nfe)).items():
                     seconds[k] = seconds.get(k, 0.0) + v
                 if r.decoder == "refusion":
                     floor = refusion_floor([len(p) for p in prompts], generated, len(profile.shapes), nfe)
-                    least += breakdown(model, floor, loops[r.decoder], len(profile.shapes), sum(nfe))["total"]
+                    least += breakdown(floor_terms(floor), loops[r.decoder], len(profile.shapes), sum(nfe))["total"]
                 fed += totals[FEATURES.index("token")]
                 calls += len(profile.shapes)
                 correct += sum(task.score(e, res.text) for e, res in zip(chunk, results))
@@ -312,7 +330,7 @@ def bound(a, fitted: dict) -> list[dict]:
         for p, g in answers[baseline]:  # per chunk: 2 calls, each sequence in both
             least = refusion_floor(p, g)
             fed += least[FEATURES.index("token")]
-            for k, v in breakdown(model, least, loops["refusion"], 2, 2 * len(p)).items():
+            for k, v in breakdown(floor_terms(least), loops["refusion"], 2, 2 * len(p)).items():
                 floor[k] = floor.get(k, 0.0) + v
         tokens = sum(sum(g) for _, g in answers[baseline])
         rows.append({"task": t, "run": f"floor ({baseline}'s answers)", "decoder": "refusion", "accuracy": None,
@@ -359,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall time (default), or this thread's CPU time: the work alone, on a CPU shared with "
                          "other processes (one torch thread)")
     ap.add_argument("--grid", choices=("warm", "cold", "both"), default=None,
-                    help="time each grid shape right after a call of itself (warm, the default: as a decode's next "
-                         "step of that shape runs), after the grid's previous shape (cold), or both (the fit on "
-                         "warm; --refit DIR --grid cold fits on the cold timings of the same run)")
+                    help="time each grid shape after calls of itself (warm: a run of like calls, AR's steps), "
+                         "right after the grid's previous shape (cold: a call unlike its predecessor), or both "
+                         "(the default: each decode's call priced by the one that fits it); with --refit: the "
+                         "run's grids to fit (default: what it holds)")
     ap.add_argument("--loop", choices=("measured", "residual"), default="measured",
                     help="each calibration decode's loop time: measured outside its timed forwards (default; "
                          "the residual for runs whose forwards were not timed), or its time less the forwards' "
@@ -390,8 +409,6 @@ def main(argv: list[str] | None = None) -> int:
                                                        "rows": rows}, indent=1))
         return 0
     a.limit = a.limit or 16
-    if a.refit and a.grid == "both":
-        ap.error("--refit fits on one grid: --grid warm or cold")
     if a.calibrate < 1:
         ap.error("--calibrate: need at least 1 validation sample per task")
     if a.refit:
@@ -402,17 +419,19 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(f"--refit: no {path} (written by a run of this script with --out {folder})")
             run = json.loads(path.read_text())
             run.setdefault("grid_order", "cold")  # runs before the warm grid timed each shape after the previous one
-            if a.grid == "cold" and run["grid_order"] != "cold" and "grid_cold" in run:
+            if a.grid == "cold" and run["grid_order"] != "cold" and run.get("grid_cold"):
                 run["grid"], run["grid_order"] = run["grid_cold"], "cold"
-            if a.grid not in (None, run["grid_order"]):
+            if a.grid not in (None, "both", run["grid_order"]) or (a.grid == "both" and not run.get("grid_cold")):
                 ap.error(f"--refit --grid {a.grid}: {path} holds no grid timed {a.grid}")
+            if a.grid in ("warm", "cold"):
+                run.pop("grid_cold", None)
             runs.append(run)
         if len(a.refit) > 1 and a.out is None:
             ap.error("--refit with several runs: give --out for the pooled analysis")
         analyse(pool(runs), a.out or a.refit[0], residual=a.loop == "residual")
         return 0
     torch.set_num_threads(1)
-    a.grid, a.out = a.grid or "warm", a.out or Path("runs/cost_model")
+    a.grid, a.out = a.grid or "both", a.out or Path("runs/cost_model")
     data = collect(a, CLOCKS[a.clock])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profiles.json").write_text(json.dumps(data))

@@ -218,9 +218,9 @@ def test_refusion_floor_is_below_every_decode(backbone, settings):
         for name, got, low, lowest in zip(FEATURES, recorded, floor, least):
             assert got >= low >= lowest, (name, len(batch), got, low, lowest)
         model = CostModel(KNOWN)
-        priced = breakdown(model, recorded, LoopCost(1e-3, 2e-4), len(log), sum(nfe))
+        priced = breakdown(model.terms_of(log), LoopCost(1e-3, 2e-4), len(log), sum(nfe))
         assert priced["total"] == pytest.approx(model.total(log)[0] + 1e-3 * len(log) + 2e-4 * sum(nfe))
-        assert breakdown(model, floor, LoopCost(1e-3, 2e-4), len(log), sum(nfe))["total"] <= priced["total"]
+        assert breakdown(model.terms(floor), LoopCost(1e-3, 2e-4), len(log), sum(nfe))["total"] <= priced["total"]
 
 
 @pytest.mark.parametrize("warm", [True, False])

@@ -84,6 +84,10 @@ class CostModel:
         :func:`feature_totals`, :func:`refusion_floor`) are ``totals``."""
         return {name: self.coef[name] * float(x) for name, x in zip(FEATURES, totals)}
 
+    def terms_of(self, shapes: Iterable[ForwardShape]) -> dict[str, float]:
+        """Seconds per :data:`FEATURES` term of the calls ``shapes``."""
+        return self.terms(feature_totals(shapes))
+
     def fixed(self, shape: ForwardShape) -> float:
         """The fixed (per-call) part of :meth:`predict`."""
         return self.coef[f"fixed_{shape.kind}"]
@@ -116,6 +120,42 @@ class CostModel:
 
         return markdown(["term", "value", "unit"],
                         [[name, f"{self.coef[name] * units[name][1]:.4g}", units[name][0]] for name in FEATURES])
+
+
+def same_call(a: ForwardShape, b: ForwardShape) -> bool:
+    """Whether call ``b`` repeats call ``a``'s shape (kind, rows, tokens fed): the next step of a run of
+    like calls (the cache length may grow)."""
+    return (a.kind, a.rows, a.fed) == (b.kind, b.rows, b.fed)
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    """Prices a sequence of calls: a call that repeats its predecessor's shape (:func:`same_call`) at the
+    ``warm`` fit (a grid timed after :data:`WARM_CALLS` calls of each shape), any other at the ``cold``
+    one (each shape timed right after a different one). Duck-types :meth:`CostModel.total`."""
+
+    warm: CostModel
+    cold: CostModel
+
+    def models(self, shapes: Iterable[ForwardShape]) -> list[tuple[CostModel, ForwardShape]]:
+        """Each call with the fit that prices it."""
+        out, previous = [], None
+        for s in shapes:
+            out.append((self.warm if previous is not None and same_call(previous, s) else self.cold, s))
+            previous = s
+        return out
+
+    def total(self, shapes: Iterable[ForwardShape]) -> tuple[float, float]:
+        priced = self.models(shapes)
+        return sum(m.predict(s) for m, s in priced), sum(m.fixed(s) for m, s in priced)
+
+    def terms_of(self, shapes: Iterable[ForwardShape]) -> dict[str, float]:
+        """Seconds per :data:`FEATURES` term of ``shapes``, each call at its fit."""
+        out = dict.fromkeys(FEATURES, 0.0)
+        for m, s in self.models(shapes):
+            for name, v in m.terms(features(s)).items():
+                out[name] += v
+        return out
 
 
 def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> CostModel:
@@ -208,16 +248,22 @@ def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logi
     return lambda: shared.forward(requests)
 
 
+#: untimed calls of a shape before each timed one in a warm grid: on this CPU a one-token call of tiny-ar
+#: right after a call of 16 x 64 tokens costs 5.3 ms of CPU time, then 4.6, 4.4, 4.1, 4.1, 3.8, 3.8, 3.7 ms
+#: as the same call repeats (load average 6.5): what the wide call streamed through the caches is read
+#: again over several calls
+WARM_CALLS = 6
+
+
 def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
-            clock: Callable[[], float] = time.perf_counter, warm: bool = True) -> list[ForwardShape]:
+            clock: Callable[[], float] = time.perf_counter, warm: int = WARM_CALLS) -> list[ForwardShape]:
     """Time one forward of every ``(kind, rows, fed, past[, logits])`` of ``grid`` (logits ``last`` when not
     given) through the decoders' caches: ``repeats`` rounds, each timing every shape once in grid order
     (interleaved, so machine noise hits all alike), after one untimed round; the median per shape.
-    ``warm`` (default): each timed call right after an untimed call of the same shape, as a decode's next
-    step of that shape runs (on the CPU a one-token call costs up to 1.7 ms more right after a call of 16 x
-    64 tokens than after another one-token call: what the wide call evicted is read again); what a
-    decoder's own mix of calls adds is its loop's per-call cost (:func:`calibrate_loop`). Without it each
-    call follows the grid's previous shape.
+    ``warm`` (default :data:`WARM_CALLS`): each timed call after that many untimed calls of the same shape,
+    as a decode's run of calls of one shape (AR's steps) runs; 0: each right after the grid's previous
+    shape, as a call whose shape differs from its predecessor's runs (:class:`SwitchCost` prices each
+    call of a decode from one or the other).
     ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time (one torch
     thread on a CPU shared with other processes: the work, not the waiting)."""
     grid = [(*g, "last") if len(g) == 4 else tuple(g) for g in grid]
@@ -230,7 +276,7 @@ def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
     times: list[list[float]] = [[] for _ in grid]
     for _ in range(repeats):
         for i, call in enumerate(calls):
-            if warm:
+            for _ in range(warm):
                 call()
             bb.synchronize()
             t0 = clock()
@@ -267,7 +313,7 @@ class LoopCost:
         return self.per_call * len(profile.shapes) + self.per_sequence * profile.sequence_forwards
 
 
-def outside_forwards(model: CostModel, profile: DecodeProfile) -> float:
+def outside_forwards(model: "CostModel | SwitchCost", profile: DecodeProfile) -> float:
     """Seconds of ``profile``'s wall time outside its forwards: measured, when every forward was timed
     (:attr:`~refusion.models.backend.Backbone.time_forwards`, on the profile's clock), else what the forwards'
     predicted costs leave (a forward priced too high or too low then moves the loop's share); at least 0."""
@@ -278,7 +324,7 @@ def outside_forwards(model: CostModel, profile: DecodeProfile) -> float:
     return max(0.0, profile.wall_s - inside)
 
 
-def calibrate_loop(model: CostModel, profiles: DecodeProfile | Sequence[DecodeProfile]) -> LoopCost:
+def calibrate_loop(model: "CostModel | SwitchCost", profiles: DecodeProfile | Sequence[DecodeProfile]) -> LoopCost:
     """The :class:`LoopCost` that fits each profile's time outside its forwards (:func:`outside_forwards`)
     best: non-negative least squares on the relative error of that part, over ``profiles``. Profiles of
     batch size 1 alone (as many calls as sequence-forwards) cannot tell the two terms apart: then the
@@ -303,7 +349,7 @@ def calibrate_loop(model: CostModel, profiles: DecodeProfile | Sequence[DecodePr
     return best
 
 
-def predict_decode(model: CostModel, profile: DecodeProfile, loop: LoopCost | float) -> dict[str, float]:
+def predict_decode(model: "CostModel | SwitchCost", profile: DecodeProfile, loop: LoopCost | float) -> dict[str, float]:
     """Predicted seconds and tokens/s of ``profile``'s decodes: its forwards' costs plus its loop cost
     (a :class:`LoopCost`, or seconds per sequence-forward); with the measured figures and the relative
     error of the predicted tokens/s."""
@@ -382,12 +428,11 @@ GROUPS = {"fixed": tuple(f"fixed_{k}" for k in KINDS), "tokens": ("token", "narr
           "attention": ("key", "pair"), "logits": ("logit",)}
 
 
-def breakdown(model: CostModel, totals: Sequence[float], loop: LoopCost, calls: int,
-              sequence_forwards: int) -> dict[str, float]:
-    """Predicted seconds of a decode with feature ``totals`` (:func:`feature_totals`, :func:`refusion_floor`),
+def breakdown(terms: dict[str, float], loop: LoopCost, calls: int, sequence_forwards: int) -> dict[str, float]:
+    """Predicted seconds of a decode whose forwards cost ``terms`` (seconds per :data:`FEATURES` term:
+    :meth:`CostModel.terms` of :func:`refusion_floor`'s totals, ``terms_of`` a decode's calls), with
     ``calls`` model calls and ``sequence_forwards``: per :data:`GROUPS` group, its ``loop`` cost and the
     ``total``."""
-    terms = model.terms(totals)
     out = {group: sum(terms[name] for name in names) for group, names in GROUPS.items()}
     out["loop"] = loop.per_call * calls + loop.per_sequence * sequence_forwards
     out["total"] = sum(out.values())
@@ -444,7 +489,7 @@ def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, effic
                      note=f"roofline at {efficiency:.0%} of peak, fixed {1e3 * fixed_s:.2f} ms + weights read")
 
 
-def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop: LoopCost | float,
+def predicted_rates(model: "CostModel | SwitchCost", profiles: dict[int, DecodeProfile], loop: LoopCost | float,
                     sizes: Sequence[int] = (1, 4, 16, 32, 64)) -> dict[int, float]:
     """Predicted tokens/s at each of ``sizes``: from the profile recorded at that batch size, else from the
     largest recorded one below it with every call carrying proportionally more sequences (lock-step)."""
