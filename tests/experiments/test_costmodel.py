@@ -9,8 +9,8 @@ import torch
 
 from refusion.core.loop import FULL, Attention, ForwardRequest
 from refusion.experiments.costmodel import (
-    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, breakdown, calibrate_loop, crossover, feature_totals,
-    features, fit, outside_forwards, predict_decode, refusion_floor, scale_rows,
+    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, SwitchCost, breakdown, calibrate_loop, crossover,
+    feature_totals, features, fit, outside_forwards, predict_decode, refusion_floor, scale_rows,
 )
 from refusion.models.backend import ForwardShape
 from refusion.models.kvcache import RaggedCache
@@ -223,10 +223,10 @@ def test_refusion_floor_is_below_every_decode(backbone, settings):
         assert breakdown(model.terms(floor), LoopCost(1e-3, 2e-4), len(log), sum(nfe))["total"] <= priced["total"]
 
 
-@pytest.mark.parametrize("warm", [True, False])
-def test_measure_times_each_shape_after_a_call_of_itself_when_warm(monkeypatch, warm):
-    """Warm: every timed call comes right after an untimed call of the same shape; cold: after the grid's
-    previous shape (the warm-up round aside)."""
+@pytest.mark.parametrize("warm", [3, 0])
+def test_measure_times_each_shape_after_calls_of_itself_when_warm(monkeypatch, warm):
+    """Warm: every timed call comes after ``warm`` untimed calls of the same shape; cold: right after the
+    grid's previous shape (the warm-up round aside)."""
     import refusion.experiments.costmodel as cm
 
     calls, timed = [], []
@@ -246,7 +246,19 @@ def test_measure_times_each_shape_after_a_call_of_itself_when_warm(monkeypatch, 
     shapes = cm.measure(Bb(), grid, repeats=2, clock=clock, warm=warm)
     assert [s.kind for s in shapes] == ["causal", "ragged"] and all(s.seconds == 1.0 for s in shapes)
     starts = timed[::2]  # each timed call starts at a clock read; the read after it ends the timing
-    before = [calls[i - 1] for i in starts]
     ran = [calls[i] for i in starts]
-    assert (before == ran) is warm
-    assert len(calls) == len(grid) * (1 + 2 * (2 if warm else 1))
+    assert all(calls[i - j] == shape for i, shape in zip(starts, ran) for j in range(1, warm + 1))
+    assert warm or all(calls[i - 1] != shape for i, shape in zip(starts, ran))
+    assert len(calls) == len(grid) * (1 + 2 * (1 + warm))
+
+
+def test_switch_cost_prices_a_repeated_shape_warm_and_any_other_cold():
+    warm, cold = CostModel(KNOWN), CostModel({k: 2 * v for k, v in KNOWN.items()})
+    a, b = ForwardShape(1, 1, 40, 1, "causal"), ForwardShape(1, 16, 40, 16, "causal")
+    a2 = ForwardShape(1, 1, 41, 1, "causal")  # the next step of a run of a: the cache grew by one
+    calls = [a, a2, b, b, a]
+    expected = cold.predict(a) + warm.predict(a2) + cold.predict(b) + warm.predict(b) + cold.predict(a)
+    switch = SwitchCost(warm, cold)
+    assert switch.total(calls)[0] == pytest.approx(expected)
+    assert sum(switch.terms_of(calls).values()) == pytest.approx(expected)
+    assert warm.total(calls)[0] < expected < cold.total(calls)[0]
