@@ -178,7 +178,9 @@ def pool(runs: list[dict]) -> dict:
     """Several runs' measurements as one: every timed grid forward, every calibration decode and, per
     (decoder, task, batch size), every test decode (their tokens and times summed when merged)."""
     first = runs[0]
-    keys = ("decoders", "tasks", "batch_sizes", "clock", "compile", "model", "grid_order")
+    keys = ("decoders", "tasks", "batch_sizes", "clock", "compile", "model", "grid_order", "warm_calls")
+    for r in runs:
+        r.setdefault("warm_calls", 1 if r["grid_order"] == "warm" else 0)  # runs before WARM_CALLS
     for other in runs[1:]:
         for k in keys:
             if other[k] != first[k]:
