@@ -248,10 +248,9 @@ def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logi
     return lambda: shared.forward(requests)
 
 
-#: untimed calls of a shape before each timed one in a warm grid: on this CPU a one-token call of tiny-ar
-#: right after a call of 16 x 64 tokens costs 5.3 ms of CPU time, then 4.6, 4.4, 4.1, 4.1, 3.8, 3.8, 3.7 ms
-#: as the same call repeats (load average 6.5): what the wide call streamed through the caches is read
-#: again over several calls
+#: untimed calls of a shape before each timed one in a warm grid: on the CPU a one-token call right after a
+#: wide call costs more than after several like it (what the wide call streamed through the caches is read
+#: again over the next few calls; docs/profile.md, "The cost model")
 WARM_CALLS = 6
 
 
