@@ -37,7 +37,7 @@
    ``tune_batch_refusion``) on its split in chunks of ``--batch-size``, prices each run's recorded forwards
    with DIR's fit and loop costs (predicted tokens/s over the grid's baseline, and the shares of fixed
    cost, tokens, attention, logits and loop), each ReFusion run's calls again at the least widths, and
-   ReFusion's floor (:func:`~refusion.experiments.costmodel.refusion_floor`: 2 calls per chunk at the least
+   ReFusion's floor (:func:`~refusion.experiments.floor.refusion_floor`: 2 calls per chunk at the least
    widths, for the baseline's answer lengths), an upper bound under the model on any schedule's tokens/s.
    Writes ``OUT/bound.json``.
    One torch thread.
@@ -58,11 +58,10 @@ from refusion.core.config import build_decoder
 from refusion.experiments.ablate import build_runs, load_ablation
 from refusion.experiments.bench import bench_runs, load_bench_config
 from refusion.experiments.costmodel import (
-    EAGER_FIXED_S, FEATURES, GRAPH_FIXED_S, GROUPS, H100, QWEN3_0_6B, WARM_CALLS, CostModel, DecodeProfile, LoopCost,
-    SwitchCost, breakdown,
-    calibrate_loop, crossover, feature_totals, fit, measure, predict_decode, predicted_rates, refusion_floor,
-    roofline,
+    EAGER_FIXED_S, FEATURES, GRAPH_FIXED_S, H100, QWEN3_0_6B, WARM_CALLS, CostModel, DecodeProfile, LoopCost,
+    SwitchCost, calibrate_loop, crossover, feature_totals, fit, measure, predict_decode, predicted_rates, roofline,
 )
+from refusion.experiments.floor import GROUPS, breakdown, refusion_floor
 from refusion.experiments.tables import markdown
 from refusion.models.backend import Backbone, ForwardShape
 from refusion.models.tokenizer import encode_prompt
@@ -274,7 +273,7 @@ def bound(a, fitted: dict) -> list[dict]:
     """Step 5 (``--bound GRID``): every run of the ablation GRID decoded on its split in chunks of
     ``--batch-size``, its recorded forwards priced by the fit (``fitted``: a ``cost_model.json``) with its
     decoder's loop cost; each ReFusion run's forwards again at the least widths
-    (:func:`~refusion.experiments.costmodel.refusion_floor` with its own calls and sequence-forwards); and
+    (:func:`~refusion.experiments.floor.refusion_floor` with its own calls and sequence-forwards); and
     ReFusion's floor, the fewest calls (2 per chunk) at the least widths, for the baseline's answer lengths."""
     cfg = load_ablation(a.bound)
     tasks = [t for t in a.tasks.split(",") if t]

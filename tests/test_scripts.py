@@ -95,7 +95,7 @@ def test_forward_cost_prints_a_row_per_fed_width(capsys):
 def test_forward_cost_fits_and_writes_the_cost_model(tmp_path, capsys):
     from refusion.experiments.costmodel import FEATURES, CostModel
 
-    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8", "--fit-repeats", "1",
+    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8", "--fit-repeats", "1", "--warm-calls", "1",
                       "--json", str(tmp_path / "cost.json")) == 0
     out = capsys.readouterr().out
     model = CostModel.from_dict(json.loads((tmp_path / "cost.json").read_text()))

@@ -9,9 +9,10 @@ import torch
 
 from refusion.core.loop import FULL, Attention, ForwardRequest
 from refusion.experiments.costmodel import (
-    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, SwitchCost, breakdown, calibrate_loop, crossover,
-    feature_totals, features, fit, outside_forwards, predict_decode, refusion_floor, scale_rows,
+    FEATURES, GRID, CostModel, DecodeProfile, LoopCost, SwitchCost, calibrate_loop, crossover, feature_totals,
+    features, fit, outside_forwards, predict_decode, scale_rows,
 )
+from refusion.experiments.floor import breakdown, refusion_floor
 from refusion.models.backend import ForwardShape
 from refusion.models.kvcache import RaggedCache
 
