@@ -1,7 +1,7 @@
 """What batching can save: the cost of one forward per sequence against the batch size, and the cost model.
 
     .venv/bin/python scripts/forward_cost.py [--model tiny-refusion] [--cached 150] [--repeats 30]
-        [--compile [MODE]] [--fit-repeats 7] [--no-fit] [--json PATH]
+        [--compile [MODE]] [--fit-repeats 7] [--warm-calls 6] [--no-fit] [--json PATH]
 
 For each number of tokens fed per sequence (1: an AR step; 16; 64: a wide ReFusion Stage I) and each
 batch size (1, 4, 16), times one forward of ``[batch, fed]`` new tokens after ``--cached`` cached
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from refusion.experiments.costmodel import fit, measure
+from refusion.experiments.costmodel import WARM_CALLS, fit, measure
 from refusion.models.backend import Backbone
 
 
@@ -49,6 +49,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE")
     p.add_argument("--fit-repeats", type=int, default=7, help="timed rounds of the cost model's grid")
+    p.add_argument("--warm-calls", type=int, default=WARM_CALLS,
+                   help="untimed calls of each grid shape before its timed one (0: right after the previous shape)")
     p.add_argument("--no-fit", action="store_true", help="the per-sequence table only")
     p.add_argument("--json", type=Path, default=None, help="write the fitted cost model here")
     a = p.parse_args()
@@ -63,7 +65,8 @@ def main() -> int:
         print(f"| {fed} | " + " | ".join(cells) + " |")
     if a.no_fit:
         return 0
-    model = fit(measure(bb, repeats=a.fit_repeats), device="cpu, 1 thread", note=f"{a.model}, compile {a.compile}")
+    model = fit(measure(bb, repeats=a.fit_repeats, warm=a.warm_calls), device="cpu, 1 thread",
+                note=f"{a.model}, compile {a.compile}, {a.warm_calls} warm calls")
     print(f"\nforward cost model ({model.note}; relative error of the fit: median "
           f"{100 * model.fit_error['median']:.1f}%, max {100 * model.fit_error['max']:.1f}%)")
     print(model.markdown(), end="")

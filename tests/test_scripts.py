@@ -95,7 +95,7 @@ def test_forward_cost_prints_a_row_per_fed_width(capsys):
 def test_forward_cost_fits_and_writes_the_cost_model(tmp_path, capsys):
     from refusion.experiments.costmodel import FEATURES, CostModel
 
-    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8", "--fit-repeats", "1",
+    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8", "--fit-repeats", "1", "--warm-calls", "1",
                       "--json", str(tmp_path / "cost.json")) == 0
     out = capsys.readouterr().out
     model = CostModel.from_dict(json.loads((tmp_path / "cost.json").read_text()))
@@ -242,6 +242,19 @@ def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):
     assert (tmp_path / "both" / "cost_model.json").is_file()
     assert run_script("cost_model.py", "--refit", str(tmp_path / "none")) == 2
     assert "--refit: no" in capsys.readouterr().err
+    # a run that timed the grid both ways: --grid cold fits the cold timings (here twice the warm ones)
+    data["grid_order"], data["grid_cold"] = "warm", [[*g[:5], 2 * g[5]] for g in grid]
+    both = tmp_path / "both_grids"
+    both.mkdir()
+    (both / "profiles.json").write_text(json.dumps(data))
+    assert run_script("cost_model.py", "--refit", str(both), "--grid", "cold", "--out", str(tmp_path / "cold")) == 0
+    cold = json.loads((tmp_path / "cold" / "cost_model.json").read_text())["model"]["coef"]
+    assert cold["fixed_causal"] == pytest.approx(2 * coef["fixed_causal"])
+    assert not (both / "cost_model.json").exists()  # --out took the analysis
+    del data["grid_cold"]
+    (both / "profiles.json").write_text(json.dumps(data))
+    assert run_script("cost_model.py", "--refit", str(both), "--grid", "cold") == 2
+    assert "holds no grid timed cold" in capsys.readouterr().err
 
 
 def test_suite_cost_times_the_same_tests_at_a_base_commit_and_now():
@@ -257,3 +270,34 @@ def test_suite_cost_times_the_same_tests_at_a_base_commit_and_now():
     base, now = (re.search(rf"round 1 {side}: (\d+) passed", out.stdout) for side in ("base", "now"))
     assert base and now and int(base.group(1)) > 0, out.stdout
     assert "load average:" in out.stdout
+
+
+def test_cost_model_bound_prices_a_grid_against_refusions_floor(tmp_path, capsys):
+    """--bound decodes a grid's runs (shipped models, batch 2) and prices them with a saved fit: no ReFusion
+    run is predicted faster than its own forwards at the least widths, nor those faster than the floor."""
+    coef = {"fixed_causal": 3e-3, "fixed_masked": 3.5e-3, "fixed_segments": 3.8e-3, "fixed_ragged": 4.2e-3,
+            "fixed_ragged_masked": 4.6e-3, "ragged_row": 5e-5, "token": 1.1e-4, "narrow": 3e-4, "key": 2e-7,
+            "pair": 3e-9, "logit": 6e-6}
+    fit_dir = tmp_path / "fit"
+    fit_dir.mkdir()
+    loop = {"per_call": 1e-4, "per_sequence": 2e-4}
+    (fit_dir / "cost_model.json").write_text(json.dumps({"model": {"coef": coef}, "loop": {"ar": loop,
+                                                                                           "refusion": loop}}))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("name: g\ntasks: [facts]\nsplit: validation\nlimit: 4\nbaseline: ar\nruns:\n"
+                    "  - {label: ar, decoder: ar}\n  - {label: shipped, decoder: refusion}\n"
+                    "  - {label: w1, decoder: refusion, set: {draft_window: 1}}\n")
+    assert run_script("cost_model.py", "--bound", str(grid), "--fit", str(fit_dir), "--tasks", "facts",
+                      "--batch-size", "2", "--out", str(tmp_path / "out")) == 0
+    assert "| facts | floor (ar's answers) |" in capsys.readouterr().out
+    rows = {r["run"]: r for r in json.loads((tmp_path / "out" / "bound.json").read_text())["rows"]}
+    assert rows["ar"]["vs_baseline"] == 1.0 and rows["ar"]["calls"] > 4
+    floor = rows["floor (ar's answers)"]
+    assert floor["calls"] == 4 and floor["fed_per_token"] >= 2  # 2 calls per chunk; P + 2G tokens per sequence
+    for run in ("shipped", "w1"):
+        assert rows[run]["vs_baseline"] <= rows[run]["least_widths_vs_baseline"] <= floor["vs_baseline"]
+        assert rows[run]["tokens"] == floor["tokens"]  # the same answers as ar: the floor is for those lengths
+        assert sum(v for k, v in rows[run]["seconds"].items() if k != "total") == pytest.approx(
+            rows[run]["seconds"]["total"])
+    assert run_script("cost_model.py", "--bound", str(grid), "--fit", str(tmp_path / "none")) == 2
+    assert "--bound needs --fit DIR" in capsys.readouterr().err

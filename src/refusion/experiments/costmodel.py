@@ -79,6 +79,15 @@ class CostModel:
     def predict(self, shape: ForwardShape) -> float:
         return float(np.dot(features(shape), [self.coef[f] for f in FEATURES]))
 
+    def terms(self, totals: Sequence[float]) -> dict[str, float]:
+        """Seconds per :data:`FEATURES` term of a decode whose feature totals (summed over its calls:
+        :func:`feature_totals`, :func:`refusion_floor`) are ``totals``."""
+        return {name: self.coef[name] * float(x) for name, x in zip(FEATURES, totals)}
+
+    def terms_of(self, shapes: Iterable[ForwardShape]) -> dict[str, float]:
+        """Seconds per :data:`FEATURES` term of the calls ``shapes``."""
+        return self.terms(feature_totals(shapes))
+
     def fixed(self, shape: ForwardShape) -> float:
         """The fixed (per-call) part of :meth:`predict`."""
         return self.coef[f"fixed_{shape.kind}"]
@@ -111,6 +120,42 @@ class CostModel:
 
         return markdown(["term", "value", "unit"],
                         [[name, f"{self.coef[name] * units[name][1]:.4g}", units[name][0]] for name in FEATURES])
+
+
+def same_call(a: ForwardShape, b: ForwardShape) -> bool:
+    """Whether call ``b`` repeats call ``a``'s shape (kind, rows, tokens fed): the next step of a run of
+    like calls (the cache length may grow)."""
+    return (a.kind, a.rows, a.fed) == (b.kind, b.rows, b.fed)
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    """Prices a sequence of calls: a call that repeats its predecessor's shape (:func:`same_call`) at the
+    ``warm`` fit (a grid timed after :data:`WARM_CALLS` calls of each shape), any other at the ``cold``
+    one (each shape timed right after a different one). Duck-types :meth:`CostModel.total`."""
+
+    warm: CostModel
+    cold: CostModel
+
+    def models(self, shapes: Iterable[ForwardShape]) -> list[tuple[CostModel, ForwardShape]]:
+        """Each call with the fit that prices it."""
+        out, previous = [], None
+        for s in shapes:
+            out.append((self.warm if previous is not None and same_call(previous, s) else self.cold, s))
+            previous = s
+        return out
+
+    def total(self, shapes: Iterable[ForwardShape]) -> tuple[float, float]:
+        priced = self.models(shapes)
+        return sum(m.predict(s) for m, s in priced), sum(m.fixed(s) for m, s in priced)
+
+    def terms_of(self, shapes: Iterable[ForwardShape]) -> dict[str, float]:
+        """Seconds per :data:`FEATURES` term of ``shapes``, each call at its fit."""
+        out = dict.fromkeys(FEATURES, 0.0)
+        for m, s in self.models(shapes):
+            for name, v in m.terms(features(s)).items():
+                out[name] += v
+        return out
 
 
 def fit(shapes: Sequence[ForwardShape], device: str = "", note: str = "") -> CostModel:
@@ -203,11 +248,21 @@ def forward_call(bb: "Backbone", kind: str, rows: int, fed: int, past: int, logi
     return lambda: shared.forward(requests)
 
 
+#: untimed calls of a shape before each timed one in a warm grid: on the CPU a one-token call right after a
+#: wide call costs more than after several like it (what the wide call streamed through the caches is read
+#: again over the next few calls; docs/profile.md, "The cost model")
+WARM_CALLS = 6
+
+
 def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
-            clock: Callable[[], float] = time.perf_counter) -> list[ForwardShape]:
+            clock: Callable[[], float] = time.perf_counter, warm: int = WARM_CALLS) -> list[ForwardShape]:
     """Time one forward of every ``(kind, rows, fed, past[, logits])`` of ``grid`` (logits ``last`` when not
     given) through the decoders' caches: ``repeats`` rounds, each timing every shape once in grid order
     (interleaved, so machine noise hits all alike), after one untimed round; the median per shape.
+    ``warm`` (default :data:`WARM_CALLS`): each timed call after that many untimed calls of the same shape,
+    as a decode's run of calls of one shape (AR's steps) runs; 0: each right after the grid's previous
+    shape, as a call whose shape differs from its predecessor's runs (:class:`SwitchCost` prices each
+    call of a decode from one or the other).
     ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time (one torch
     thread on a CPU shared with other processes: the work, not the waiting)."""
     grid = [(*g, "last") if len(g) == 4 else tuple(g) for g in grid]
@@ -220,6 +275,8 @@ def measure(bb: "Backbone", grid: Iterable[tuple] = GRID, repeats: int = 7,
     times: list[list[float]] = [[] for _ in grid]
     for _ in range(repeats):
         for i, call in enumerate(calls):
+            for _ in range(warm):
+                call()
             bb.synchronize()
             t0 = clock()
             call()
@@ -255,15 +312,26 @@ class LoopCost:
         return self.per_call * len(profile.shapes) + self.per_sequence * profile.sequence_forwards
 
 
-def calibrate_loop(model: CostModel, profiles: DecodeProfile | Sequence[DecodeProfile]) -> LoopCost:
-    """The :class:`LoopCost` that the part of each profile's wall time its forwards' predicted costs leave
-    fits best: non-negative least squares on the relative error of that part, over ``profiles``. Profiles
-    of batch size 1 alone (as many calls as sequence-forwards) cannot tell the two terms apart: then the
-    whole cost is per sequence-forward. A profile whose forwards take more than its wall time counts 0."""
+def outside_forwards(model: "CostModel | SwitchCost", profile: DecodeProfile) -> float:
+    """Seconds of ``profile``'s wall time outside its forwards: measured, when every forward was timed
+    (:attr:`~refusion.models.backend.Backbone.time_forwards`, on the profile's clock), else what the forwards'
+    predicted costs leave (a forward priced too high or too low then moves the loop's share); at least 0."""
+    if profile.shapes and all(s.seconds is not None for s in profile.shapes):
+        inside = sum(s.seconds for s in profile.shapes)
+    else:
+        inside = model.total(profile.shapes)[0]
+    return max(0.0, profile.wall_s - inside)
+
+
+def calibrate_loop(model: "CostModel | SwitchCost", profiles: DecodeProfile | Sequence[DecodeProfile]) -> LoopCost:
+    """The :class:`LoopCost` that fits each profile's time outside its forwards (:func:`outside_forwards`)
+    best: non-negative least squares on the relative error of that part, over ``profiles``. Profiles of
+    batch size 1 alone (as many calls as sequence-forwards) cannot tell the two terms apart: then the
+    whole cost is per sequence-forward."""
     profiles = [profiles] if isinstance(profiles, DecodeProfile) else list(profiles)
     if not profiles:
         raise ValueError("profiles: need at least one decode profile to calibrate the loop cost")
-    left = np.array([max(0.0, p.wall_s - model.total(p.shapes)[0]) for p in profiles])  # [n] seconds
+    left = np.array([outside_forwards(model, p) for p in profiles])  # [n] seconds
     a = np.array([[len(p.shapes), p.sequence_forwards] for p in profiles], dtype=float)  # [n, 2]
     if all(len(p.shapes) == p.sequence_forwards for p in profiles) or not left.any():
         return LoopCost(0.0, float(left.sum() / max(1, a[:, 1].sum())))
@@ -280,7 +348,7 @@ def calibrate_loop(model: CostModel, profiles: DecodeProfile | Sequence[DecodePr
     return best
 
 
-def predict_decode(model: CostModel, profile: DecodeProfile, loop: LoopCost | float) -> dict[str, float]:
+def predict_decode(model: "CostModel | SwitchCost", profile: DecodeProfile, loop: LoopCost | float) -> dict[str, float]:
     """Predicted seconds and tokens/s of ``profile``'s decodes: its forwards' costs plus its loop cost
     (a :class:`LoopCost`, or seconds per sequence-forward); with the measured figures and the relative
     error of the predicted tokens/s."""
@@ -293,6 +361,12 @@ def predict_decode(model: CostModel, profile: DecodeProfile, loop: LoopCost | fl
     return {"predicted_s": seconds, "forward_s": forwards, "fixed_s": fixed, "loop_s": loop_s,
             "predicted_tokens_per_second": predicted, "measured_tokens_per_second": measured,
             "error": predicted / measured - 1 if measured else float("nan"), "calls": len(profile.shapes)}
+
+
+def feature_totals(shapes: Iterable[ForwardShape]) -> list[float]:
+    """Every feature (:data:`FEATURES` order) summed over ``shapes``: what :meth:`CostModel.terms` prices."""
+    rows = [features(s) for s in shapes]
+    return [float(x) for x in np.sum(rows, axis=0)] if rows else [0.0] * len(FEATURES)
 
 
 def scale_rows(shapes: Iterable[ForwardShape], factor: float) -> list[ForwardShape]:
@@ -345,7 +419,7 @@ def roofline(shape: dict[str, int], gpu: dict[str, float], fixed_s: float, effic
                      note=f"roofline at {efficiency:.0%} of peak, fixed {1e3 * fixed_s:.2f} ms + weights read")
 
 
-def predicted_rates(model: CostModel, profiles: dict[int, DecodeProfile], loop: LoopCost | float,
+def predicted_rates(model: "CostModel | SwitchCost", profiles: dict[int, DecodeProfile], loop: LoopCost | float,
                     sizes: Sequence[int] = (1, 4, 16, 32, 64)) -> dict[int, float]:
     """Predicted tokens/s at each of ``sizes``: from the profile recorded at that batch size, else from the
     largest recorded one below it with every call carrying proportionally more sequences (lock-step)."""

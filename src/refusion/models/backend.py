@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -142,6 +143,9 @@ class Backbone:
         #: wall time to ``forward_s`` (``refusion profile``); off for decoding, where it would cost two syncs
         self.time_forwards = False
         self.forward_s = 0.0
+        #: the clock ``time_forwards`` reads (``time.thread_time``: this thread's CPU time, as the cost model's
+        #: ``--clock cpu`` times decodes)
+        self.forward_clock: Callable[[], float] = time.perf_counter
         #: when a list, every forward appends its :class:`ForwardShape` (the cost model's input); None: off
         self.forward_log: list[ForwardShape] | None = None
         self._finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -237,7 +241,7 @@ class Backbone:
         rows = self._rows(logits_at, T)
         if self.time_forwards:
             self.synchronize()
-            t0 = time.perf_counter()
+            t0 = self.forward_clock()
         out = self._call(
             input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
             logits_to_keep=rows,
@@ -245,7 +249,7 @@ class Backbone:
         seconds = None
         if self.time_forwards:
             self.synchronize()
-            seconds = time.perf_counter() - t0
+            seconds = self.forward_clock() - t0
             self.forward_s += seconds
         if self.forward_log is not None:
             kind = kind or ("ragged" if cache is not None and cache.layers and isinstance(cache.layers[0], OffsetLayer)
