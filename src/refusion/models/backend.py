@@ -27,7 +27,7 @@ from refusion.core import host
 from refusion.core.errors import MaskTokenError
 from refusion.models.loading import resolve_model_path
 from refusion.models.kvcache import DenseCache
-from refusion.models.ragged_forward import OffsetLayer
+from refusion.models.ragged_forward import OffsetLayer, install_row_head
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -107,6 +107,9 @@ class Backbone:
         compile: str | None = None,
     ) -> None:
         self.model = model.eval()
+        #: whether a batched forward can run the output head on each row's own positions; its hook goes in
+        #: now, before any compiled call (:func:`~refusion.models.ragged_forward.install_row_head` says why)
+        self.head_per_row = install_row_head(self.model)
         #: the ``torch.compile`` mode the forwards run under (None: eager); see :func:`compiled_call`
         self.compile = compile
         self._call = compiled_call(self.model, compile) if compile is not None else self.model
