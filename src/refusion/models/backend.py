@@ -69,6 +69,11 @@ def compiled_call(model: PreTrainedModel, mode: str):
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     setattr(config, limit, max(getattr(config, limit), 64))
+    # the per-row output head's rows (``lm_head.refusion_rows``, a tensor attribute of a torch.nn module:
+    # :func:`~refusion.models.ragged_forward.install_row_head`) change length every batched call; dynamo
+    # would take such an attribute's shape as static and compile a graph per length (parameters and
+    # buffers stay static: ``force_parameter_static_shapes``)
+    config.force_nn_module_property_static_shapes = False
     return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
 
 
