@@ -18,9 +18,12 @@ of forward, then per token fed, per key, per query-key pair and per logits row),
 per sequence-forward calibrated on the batch-1 decode of the first prompt, and from them each measured
 batch row predicted from its recorded forwards, and ReFusion over AR predicted at batch 1 to 64 (the
 batch-1 decode's forwards with every call carrying s sequences: lock-step batches), with the predicted
-crossover (the first size where AR's tokens/s reaches ReFusion's). ``--compile MODE`` adds a last part:
+crossover (the first size where AR's tokens/s reaches ReFusion's). ``--compile MODE`` adds two parts:
 the model forward under ``torch.compile(mode=MODE)`` (on CUDA ``reduce-overhead`` records CUDA graphs)
-timed on a few fixed shapes against eager, i.e. the fixed per-call cost a static-shape forward keeps.
+timed on a few fixed shapes against eager, i.e. the fixed per-call cost a static-shape forward keeps; and
+the token check: the shipped models (the bench's, float32 on ``--device``) decode the first
+:data:`CHECK_BATCH` arith test samples with the bench's settings, alone (the first) and as one batch, eager
+and compiled, and the samples whose token ids differ are counted (0 expected) per decoder and batch size.
 
 Time is scarce on a lent GPU, so the work runs in order of importance (batch 1, then the forward-cost
 table, then the compiled forward, then time outside forwards, then the batch sizes) and a part that
@@ -84,6 +87,9 @@ GPU_GRID = tuple([("causal", 1, fed, past) for fed in (1, 16, 64) for past in (1
 #: the shapes the compiled forward is timed on (each a graph of its own under CUDA graphs)
 COMPILE_GRID = (("causal", 1, 1, 256), ("causal", 1, 64, 256), ("ragged", 16, 1, 256), ("ragged", 16, 64, 256))
 PREDICT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+#: the token check of ``--compile``: the decoders, their bench settings on this task, and its batch size
+CHECK_DECODERS, CHECK_TASK, CHECK_BATCH = ("ar", "refusion"), "arith", 4
 
 WARM_UP_TOKENS = 16  # a warm-up decode compiles kernels and fills allocator pools; its length does not matter
 
@@ -228,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     run("forward cost", lambda: report.update(forward_cost=forward_cost(backbone, device)))
     if a.compile:
         run(f"compiled forward ({a.compile})", lambda: report.update(compiled=compiled_forward(backbone, a.compile)))
+        run(f"compiled token check ({a.compile})", lambda: report.update(
+            token_check=compiled_token_check(a.device, a.compile)))
     for name in rows:
         run(f"{name} time outside forwards", lambda name=name: rows[name].update(
             share_outside_forwards=share_outside_forwards(backbone, name, a.gen_length, ids[:a.prompts])))
@@ -283,6 +291,41 @@ def compiled_forward(backbone: Backbone, mode: str) -> dict:
     return out
 
 
+def decode_ids(backbone: Backbone, config: dict, ids: list[list[int]]) -> list[list[int]]:
+    """The token ids ``config``'s decoder generates for each prompt: one prompt alone, several as one batch."""
+    decoder = build_decoder(backbone, config)
+    if len(ids) == 1:
+        return [decoder.generate(ids[0]).token_ids]
+    return [r.token_ids for r in decoder.generate_batch(ids)]
+
+
+def compiled_token_check(device: str, mode: str) -> list[dict]:
+    """Per :data:`CHECK_DECODERS` decoder and batch size (1 and :data:`CHECK_BATCH`): the samples whose token ids
+    differ between eager and ``torch.compile(mode)`` decodes on the decoder's shipped model in float32 with its
+    bench settings (:data:`CHECK_TASK`); a failure is reported in its row, not raised."""
+    from refusion.experiments.bench import bench_runs, load_bench_config
+
+    rows = []
+    for run in bench_runs(load_bench_config(), list(CHECK_DECODERS), [CHECK_TASK]):
+        task = get_task(CHECK_TASK)
+        try:
+            eager = Backbone.from_pretrained(run.model, device=device, dtype="float32")
+            compiled = Backbone(eager.model, eager.tokenizer, mask_id=eager.mask_id, eos_ids=eager.eos_ids, compile=mode)
+            ids = [encode_prompt(eager.tokenizer, e.query) for e in task.examples("test", CHECK_BATCH)]
+        except Exception as e:
+            rows.append({"decoder": run.label, "model": run.model, "error": f"{type(e).__name__}: {e}"[:2000]})
+            continue
+        for size in (1, CHECK_BATCH):
+            row: dict = {"decoder": run.label, "model": run.model, "batch_size": size}
+            try:
+                want, got = (decode_ids(bb, run.configs[CHECK_TASK], ids[:size]) for bb in (eager, compiled))
+                row.update(samples=len(want), ids_differ=sum(w != g for w, g in zip(want, got)))
+            except Exception as e:  # a lent GPU's minutes should still return the other rows
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            rows.append(row)
+    return rows
+
+
 def print_forward_cost(report: dict) -> None:
     from refusion.experiments.costmodel import CostModel
 
@@ -309,6 +352,12 @@ def print_forward_cost(report: dict) -> None:
         for i, shape in enumerate(c["shapes"]):
             comp = f"{1e3 * c['compiled_s'][i]:.2f}" if "compiled_s" in c else "-"
             print(f"| {', '.join(map(str, shape))} | {1e3 * c['eager_s'][i]:.2f} | {comp} |")
+    if "token_check" in report:
+        print(f"\ncompiled token check (shipped models, float32, {CHECK_TASK}): samples whose token ids differ, eager "
+              "against compiled\n| decoder | model | batch | ids differ |\n|---|---|---|---|")
+        for r in report["token_check"]:
+            cell = r.get("error") or f"{r['ids_differ']} of {r['samples']}"
+            print(f"| {r['decoder']} | {r['model']} | {r.get('batch_size', '-')} | {cell} |")
 
 
 if __name__ == "__main__":

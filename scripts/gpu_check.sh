@@ -4,7 +4,8 @@
 # host reads under torch.cuda.set_sync_debug_mode) and ReFusion against AR on a random Qwen3 of 0.6B
 # shape in bfloat16: batch 1, the forward-cost table (the cost model fitted on this GPU, its predicted
 # ReFusion / AR ratio per batch size and crossover), the forward under torch.compile with CUDA graphs
-# (mode reduce-overhead) against eager on a few shapes, then batches of 4 and 16 (aggregate tokens/s);
+# (mode reduce-overhead) against eager on a few shapes and its token check (ar and refusion on their shipped
+# models, float32, alone and in a batch: token ids eager against compiled), then batches of 4 and 16 (aggregate tokens/s);
 # parts that would start after 240 s are skipped and named.
 # Output goes to OUT_DIR (default runs/gpu_check): pytest.log, gpu_bench.json, report.md.
 #   scripts/gpu_check.sh [OUT_DIR]        PYTHON=... to choose the interpreter (default .venv/bin/python,

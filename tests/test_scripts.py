@@ -56,7 +56,11 @@ def test_gpu_bench_times_the_compiled_forward(tmp_path, capsys):
     compiled = json.loads((tmp_path / "gpu_bench.json").read_text())["compiled"]
     assert "error" not in compiled and compiled["graphs"] >= 1
     assert len(compiled["compiled_s"]) == len(compiled["eager_s"]) == len(compiled["shapes"]) == 4
-    assert "compiled forward (default)" in capsys.readouterr().out
+    check = json.loads((tmp_path / "gpu_bench.json").read_text())["token_check"]
+    assert [(r["decoder"], r["batch_size"]) for r in check] == [("ar", 1), ("ar", 4), ("refusion", 1), ("refusion", 4)]
+    assert all("error" not in r and r["ids_differ"] == 0 and r["samples"] == r["batch_size"] for r in check)
+    out = capsys.readouterr().out
+    assert "compiled forward (default)" in out and "compiled token check" in out
 
 
 def test_gpu_bench_skips_what_would_start_after_its_time_limit(tmp_path, capsys):

@@ -28,7 +28,7 @@ from refusion.core import host
 from refusion.core.errors import MaskTokenError
 from refusion.models.loading import resolve_model_path
 from refusion.models.kvcache import DenseCache
-from refusion.models.ragged_forward import OffsetLayer
+from refusion.models.ragged_forward import OffsetLayer, install_row_head
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -70,6 +70,11 @@ def compiled_call(model: PreTrainedModel, mode: str):
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     setattr(config, limit, max(getattr(config, limit), 64))
+    # the per-row output head's rows (``lm_head.refusion_rows``, a tensor attribute of a torch.nn module:
+    # :func:`~refusion.models.ragged_forward.install_row_head`) change length every batched call; dynamo
+    # would take such an attribute's shape as static and compile a graph per length (parameters and
+    # buffers stay static: ``force_parameter_static_shapes``)
+    config.force_nn_module_property_static_shapes = False
     return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
 
 
@@ -108,6 +113,9 @@ class Backbone:
         compile: str | None = None,
     ) -> None:
         self.model = model.eval()
+        #: whether a batched forward can run the output head on each row's own positions; its hook goes in
+        #: now, before any compiled call (:func:`~refusion.models.ragged_forward.install_row_head` says why)
+        self.head_per_row = install_row_head(self.model)
         #: the ``torch.compile`` mode the forwards run under (None: eager); see :func:`compiled_call`
         self.compile = compile
         self._call = compiled_call(self.model, compile) if compile is not None else self.model

@@ -32,7 +32,7 @@ from refusion.core.host import from_host
 from refusion.core.loop import ForwardRequest
 from refusion.core.masks import additive_mask, segment_allowed
 from refusion.models.ragged_forward import (  # noqa: F401  (OffsetLayer: also importable from here)
-    OffsetLayer, grow_columns, head_on_rows, head_per_row_supported, offset_cache)
+    OffsetLayer, grow_columns, head_on_rows, install_row_head, offset_cache)
 
 if TYPE_CHECKING:
     from refusion.models.backend import Backbone
@@ -143,7 +143,7 @@ class RaggedCache:
     def __init__(self, backbone: "Backbone") -> None:
         self.backbone = backbone
         self.n_layers, self.n_kv_heads, self.head_dim = kv_geometry(backbone.model.config)
-        self._head_per_row = head_per_row_supported(backbone.model)
+        self._head_per_row = install_row_head(backbone.model)  # installed by the Backbone already
         self.keys: list[Tensor] = []  # per layer [rows of the buffers, n_kv_heads, C, head_dim]
         self.values: list[Tensor] = []
         self.lengths: list[int] = []  # per logical row
@@ -253,7 +253,7 @@ class RaggedCache:
         only with ``keep_kv``). Each row attends to its cached tokens and to its new tokens as its
         request's :class:`~refusion.core.loop.Attention` says; no real token sees padding. The output
         head runs on each row's own requested positions only (:func:`~refusion.models.ragged_forward.head_on_rows`) when the rows ask
-        for different ones and the model allows it (:func:`~refusion.models.ragged_forward.head_per_row_supported`), else on the union of
+        for different ones and the model allows it (:func:`~refusion.models.ragged_forward.install_row_head`), else on the union of
         the requested positions in every row. When the requests cover every row, the buffers end in the
         requests' row order."""
         bb = self.backbone

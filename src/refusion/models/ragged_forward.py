@@ -72,24 +72,53 @@ def head_per_row_supported(model) -> bool:
     return isinstance(head, torch.nn.Module) and "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
+def _head_on_rows_hook(head, args):
+    """The output head's forward pre-hook (:func:`install_row_head`): while ``head.refusion_rows`` holds
+    ``row_of [N]``, the hidden states ``[R, N, H]`` become entry k of row ``row_of[k]`` -> ``[1, N, H]``."""
+    row_of = head.refusion_rows
+    if row_of is None:
+        return None
+    hidden = args[0]  # [R, N, H]
+    return (hidden[row_of, torch.arange(hidden.shape[1], device=hidden.device)][None], *args[1:])
+
+
+def install_row_head(model) -> bool:
+    """Give ``model``'s output head, once, the pre-hook :func:`head_on_rows` switches on; returns whether the
+    model supports it (:func:`head_per_row_supported`).
+
+    The hook stays installed (doing nothing while ``head.refusion_rows`` is None), so a model's forward
+    is the same code with and without a per-row head: ``torch.compile`` does not guard on a module's
+    hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``), and a hook added and removed around
+    each batched call would run through whichever graph was compiled first, with the hook or without.
+    What the hook reads, ``head.refusion_rows`` (None or a tensor), it does guard on. Call it before the
+    model's first compiled call (:class:`~refusion.models.backend.Backbone` does)."""
+    if not head_per_row_supported(model):
+        return False
+    head = model.get_output_embeddings()
+    if not hasattr(head, "refusion_rows"):
+        head.refusion_rows = None
+        head.register_forward_pre_hook(_head_on_rows_hook)
+    return True
+
+
 @contextmanager
 def head_on_rows(model, row_of: Tensor):
     """Within it, the model's head gets each kept position's hidden state from its own row only.
 
     The forward is called with ``logits_to_keep`` = the column of each kept (row, column) pair, ``[N]``, so
     the hidden states reaching the head are ``[R, N, H]`` (every row at every kept column: a gather, no
-    head compute); this pre-hook keeps entry k of row ``row_of[k]`` -> ``[1, N, H]``, so the head computes
-    N rows, not R x N (or R x the union of the columns). The logits come back ``[1, N, V]``. Meanwhile
-    ``model.refusion_logits_rows`` holds ``row_of`` (a hook on the model's output reads which row each
-    logits entry belongs to there: :func:`refusion.testing.models.kept_rows`)."""
-    def pre_hook(module, args):
-        hidden = args[0]  # [R, N, H]
-        return (hidden[row_of, torch.arange(hidden.shape[1], device=hidden.device)][None], *args[1:])
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(pre_hook)
+    head compute); the head's pre-hook (:func:`install_row_head`, which must have run) keeps entry k of
+    row ``row_of[k]`` -> ``[1, N, H]``, so the head computes N rows, not R x N (or R x the union of the
+    columns). The logits come back ``[1, N, V]``. Meanwhile ``model.refusion_logits_rows`` holds
+    ``row_of`` (a hook on the model's output reads which row each logits entry belongs to there:
+    :func:`refusion.testing.models.kept_rows`)."""
+    head = model.get_output_embeddings()
+    if not hasattr(head, "refusion_rows"):
+        raise RuntimeError("head_on_rows needs the head's hook: call install_row_head(model) first")
+    head.refusion_rows = row_of
     model.refusion_logits_rows = row_of
     try:
         yield
     finally:
-        handle.remove()
+        head.refusion_rows = None
         del model.refusion_logits_rows
