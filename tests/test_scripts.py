@@ -90,7 +90,7 @@ def test_compare_decodes_reports_any_difference(tmp_path, capsys, after, differs
 
 
 def test_forward_cost_prints_a_row_per_fed_width(capsys):
-    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8") == 0
+    assert run_script("forward_cost.py", "--repeats", "1", "--cached", "8", "--no-fit") == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "16", "64"]
     assert all(float(c) > 0 for r in rows for c in r.strip("|").split("|")[1:])
