@@ -45,7 +45,7 @@ def test_each_goal_fails_on_its_own_figure():
 
 
 def test_latency_percentiles_interpolate_as_batch_bench_does():
-    """TTFT and ITL percentiles use the project's one percentile (experiments/stats.py): linear interpolation
+    """TTFT and ITL percentiles use the project's one percentile (core/stats.py): linear interpolation
     between order statistics, as batch-bench's latency percentiles do (a nearest-rank p50 of 4 values would be
     the 2nd, not the mean of the 2nd and 3rd)."""
     outcomes = []

@@ -7,8 +7,8 @@ tell them apart looks at the samples where they disagree, not at two independent
   exact McNemar p-value (a two-sided binomial test on the discordant samples);
 * :func:`throughput_ratio`: B's tokens/s over A's (total tokens / total time each) with a 95%
   paired-bootstrap interval over the samples;
-* :func:`percentile`: the project's one percentile (latency percentiles of ``batch-bench``, ``refusion
-  loadtest`` and the serving benchmark): linear interpolation between order statistics, numpy's default;
+* :func:`percentile` (defined in :mod:`refusion.core.stats`): the project's one percentile, linear
+  interpolation between order statistics;
 * :func:`same_accuracy`: a verdict that can fail: "holds" when the whole interval of the difference lies
   within ``margin`` of zero, "does not hold" when it lies wholly outside, "inconclusive" otherwise, and
   "not testable" when both runs are at the ceiling (every sample right, or every sample wrong, in both):
@@ -25,20 +25,11 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from refusion.core.stats import percentile  # noqa: F401  (the project's one percentile, re-exported)
+
 LEVEL = 0.95
 RESAMPLES = 4000
 SEED = 0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, interpolating linearly between order statistics (the
-    sorted values' position ``q / 100 * (n - 1)``: p50 of an even count is the mean of the middle two);
-    raises ValueError when ``values`` is empty or ``q`` is outside 0-100."""
-    if not len(values):
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile: q must be in 0-100, got {q}")
-    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 @dataclass(frozen=True)

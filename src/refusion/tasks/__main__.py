@@ -3,8 +3,9 @@ responses in the shipped tinybench tokenizer (``build_tinybench_tokenizer()``), 
 
 from __future__ import annotations
 
-from refusion.tasks.tokenizer import build_tinybench_tokenizer
+from refusion.core.stats import percentile
 from refusion.tasks import SPLITS, TASKS
+from refusion.tasks.tokenizer import build_tinybench_tokenizer
 
 
 def main() -> None:
@@ -16,8 +17,8 @@ def main() -> None:
         for part in ("query", "response"):
             texts = [getattr(e, part) for exs in examples.values() for e in exs]
             lengths = sorted(len(ids) for ids in tokenizer(texts)["input_ids"])
-            cuts = {p: lengths[min(len(lengths) - 1, len(lengths) * p // 100)] for p in (10, 50, 90)}
-            print(f"  {part:8s} tokens: min {lengths[0]}, p10 {cuts[10]}, median {cuts[50]}, p90 {cuts[90]}, "
+            cuts = {q: percentile(lengths, q) for q in (10, 50, 90)}
+            print(f"  {part:8s} tokens: min {lengths[0]}, p10 {cuts[10]:g}, median {cuts[50]:g}, p90 {cuts[90]:g}, "
                   f"max {lengths[-1]}")
 
 
