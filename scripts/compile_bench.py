@@ -133,13 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls-only", action="store_true", help="only the per-call cost of two shapes (see above)")
     ap.add_argument("--call-repeats", type=int, default=40)
     ap.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper instead of its Python one")
+    ap.add_argument("--freezing", action="store_true", help="inductor's freezing (weights as constants)")
     ap.add_argument("--out", type=Path, default=Path("runs/compile_bench"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if a.cpp_wrapper:
-        import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config
 
+    if a.cpp_wrapper:
         inductor_config.cpp_wrapper = True
+    if a.freezing:
+        inductor_config.freezing = True
     if a.calls_only:
         rows = per_call(a.mode, a.call_repeats)
         print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "

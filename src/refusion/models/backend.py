@@ -75,7 +75,26 @@ def compiled_call(model: PreTrainedModel, mode: str):
     # would take such an attribute's shape as static and compile a graph per length (parameters and
     # buffers stay static: ``force_parameter_static_shapes``)
     config.force_nn_module_property_static_shapes = False
+    # no "duck sizing": a ragged batch's cache buffers have as many rows as the call has rows only while every
+    # sequence takes part; equal sizes sharing one symbol would compile a second graph for when they differ
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
     return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
+
+
+def contiguous_layers(cache: Cache) -> None:
+    """Make each layer's ``keys`` / ``values`` of a dense transformers cache contiguous, in place. A prefill
+    leaves them as a transposed view of the projection and a crop as a narrower view of the old tensor;
+    a compiled graph is specialised to its inputs' strides, so each such layout would compile a graph of
+    its own (one copy of the cache instead, only where the layout is not the contiguous one)."""
+    for layer in cache.layers:
+        if isinstance(layer, OffsetLayer) or getattr(layer, "keys", None) is None:
+            continue
+        if not layer.keys.is_contiguous():
+            layer.keys = layer.keys.contiguous()
+        if not layer.values.is_contiguous():
+            layer.values = layer.values.contiguous()
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -247,6 +266,8 @@ class Backbone:
         else:  # causal over the cache; no 2D all-ones mask, whose check inside the model would synchronise
             mask = None
         rows = self._rows(logits_at, T)
+        if self.compile is not None and cache is not None:
+            contiguous_layers(cache)  # one graph per kind of call, not per cache layout
         if self.time_forwards:
             self.synchronize()
             t0 = self.forward_clock()
