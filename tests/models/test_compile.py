@@ -86,16 +86,18 @@ def _graphs() -> int:
 
 
 def test_a_dense_cache_after_a_prefill_or_a_crop_reuses_the_graph(char_tokenizer, dynamo_only):
-    # a prefill leaves the cache's keys as a transposed view and a crop as a narrower view; each layout
-    # was once a graph of its own (dynamo guards a tensor's static strides), up to three per kind of call
+    # a prefill leaves the cache's keys as a transposed view and a crop as a narrower view, and ids may
+    # come as a strided view; each layout was once a graph of its own (dynamo guards static strides)
     model = make_tiny_qwen3(len(char_tokenizer), seed=0)
     eager, compiled = Backbone(model, char_tokenizer), Backbone(model, char_tokenizer, compile="default")
     g = torch.Generator().manual_seed(0)
     steps = [(5, True), (3, True), (4, False), (2, True), (3, False), (4, True)]  # (tokens fed, keep_kv)
     caches = {bb: bb.new_cache() for bb in (eager, compiled)}
     start, counts = 0, []
-    for n, keep in steps:
+    for i, (n, keep) in enumerate(steps):
         ids, pos = torch.randint(4, 40, (n,), generator=g), torch.arange(start, start + n)
+        if i == 3:  # ids and positions as strided views (every other entry of a longer tensor): the same graph
+            ids, pos = torch.stack([ids, ids]).t().reshape(-1)[::2], torch.stack([pos, pos]).t().reshape(-1)[::2]
         want, got = (bb.forward(ids, pos, caches[bb].kv, keep_kv=keep) for bb in (eager, compiled))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         start += n if keep else 0

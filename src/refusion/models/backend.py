@@ -83,18 +83,21 @@ def compiled_call(model: PreTrainedModel, mode: str):
     return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
 
 
+def plain(t: Tensor) -> Tensor:
+    """``t`` itself when it is contiguous and not a view, else a contiguous copy. A compiled graph is
+    specialised to its inputs' strides and to whether each is a view (dynamo guards a view's base), so an
+    input given as a slice, a transposed or an expanded view would compile a graph of its own."""
+    return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
 def contiguous_layers(cache: Cache) -> None:
-    """Make each layer's ``keys`` / ``values`` of a dense transformers cache contiguous, in place. A prefill
-    leaves them as a transposed view of the projection and a crop as a narrower view of the old tensor;
-    a compiled graph is specialised to its inputs' strides, so each such layout would compile a graph of
-    its own (one copy of the cache instead, only where the layout is not the contiguous one)."""
+    """Make each layer's ``keys`` / ``values`` of a dense transformers cache :func:`plain`, in place. A
+    prefill leaves them as a transposed view of the projection and a crop as a narrower view of the old
+    tensor: one copy of the cache, only where it is such a view, instead of a graph per layout."""
     for layer in cache.layers:
         if isinstance(layer, OffsetLayer) or getattr(layer, "keys", None) is None:
             continue
-        if not layer.keys.is_contiguous():
-            layer.keys = layer.keys.contiguous()
-        if not layer.values.is_contiguous():
-            layer.values = layer.values.contiguous()
+        layer.keys, layer.values = plain(layer.keys), plain(layer.values)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -266,8 +269,10 @@ class Backbone:
         else:  # causal over the cache; no 2D all-ones mask, whose check inside the model would synchronise
             mask = None
         rows = self._rows(logits_at, T)
-        if self.compile is not None and cache is not None:
-            contiguous_layers(cache)  # one graph per kind of call, not per cache layout
+        if self.compile is not None:  # one graph per kind of call, not per layout of its inputs
+            ids, pos = plain(ids), plain(pos)
+            if cache is not None:
+                contiguous_layers(cache)
         if self.time_forwards:
             self.synchronize()
             t0 = self.forward_clock()
