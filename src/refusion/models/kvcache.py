@@ -234,9 +234,8 @@ class RaggedCache:
 
     # ------------------------------------------------------------------ forward
     def _ensure(self, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Buffers of MORE than ``capacity`` columns (doubling), made at the first call. A forward attends over
-        ``[:width]`` of them with ``width`` <= ``capacity``, so that slice is never the whole buffer: a
-        compiled forward would otherwise get one graph for ``width == C`` and another for ``width < C``."""
+        """Buffers of MORE than ``capacity`` columns (doubling), made at the first call: a forward's ``[:width]``
+        is never the whole buffer (a compiled forward would compile a graph for each case)."""
         capacity += 1
         if not self.keys:
             shape = (len(self.lengths), self.n_kv_heads, max(capacity, 64), self.head_dim)
