@@ -3,6 +3,8 @@
     .venv/bin/python scripts/compile_bench.py [--decoders ar,refusion,llada,block,spec-diffusion]
         [--tasks arith,code,facts] [--limit 16] [--batch-sizes 1,16] [--mode default] [--repeats 5]
         [--no-fit] [--out runs/compile_bench]
+    .venv/bin/python scripts/compile_bench.py --calls-only [--mode MODE] [--cpp-wrapper] [--freezing]
+    .venv/bin/python scripts/compile_bench.py --split
 
 Loads every model of the bench's decoders twice, eagerly and under ``torch.compile`` (``--mode``), and
 decodes the first ``--limit`` test samples per task with each decoder at each batch size on both, chunk by
@@ -18,7 +20,9 @@ and prints each fixed per-call cost, eager and compiled. Writes ``OUT/compile_be
 a sequence's cache and through a ragged batch of 16 rows (nearly all fixed cost), eager and compiled on
 ``tiny-ar``, interleaved call by call for ``--call-repeats`` rounds; median wall and CPU milliseconds.
 ``--cpp-wrapper``: inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``) instead of its Python
-one, which calls the compiled kernels from C++.
+one, which calls the compiled kernels from C++. ``--freezing``: inductor's freezing
+(``torch._inductor.config.freezing``: the weights become constants of the graph, so each model gets graphs
+of its own). ``--split``: where the compiled call's CPU time goes (:func:`split_call`), no eager arm.
 """
 
 from __future__ import annotations
@@ -93,6 +97,73 @@ def per_call(mode: str, repeats: int) -> list[dict]:
             for (arm, shape, _), w, c in zip(calls, wall, cpu)]
 
 
+def split_call(repeats: int) -> list[dict]:
+    """Where a compiled call's CPU time goes (tiny-ar, mode ``default``, each :data:`CALLS` shape): the whole
+    call, the model call (``Backbone.time_forwards`` on this thread's clock; the rest is the cache's and
+    ``Backbone.forward``'s Python), and inside inductor's compiled graph (a backend that times it; the rest
+    of the model call is dynamo's guards, its bytecode around the graph and AOT autograd's wrappers); and
+    the model's linear layers alone on one row (the weights streamed, the floor of a one-token forward's
+    matrix products). Medians of ``repeats`` rounds, milliseconds."""
+    import statistics
+
+    from torch._inductor.compile_fx import compile_fx
+
+    from refusion.models.backend import compiled_call
+
+    inside = [0.0]
+
+    def timed_inductor(gm, example_inputs):
+        graph = compile_fx(gm, example_inputs)
+
+        def run(*args):
+            c0 = time.thread_time()
+            out = graph(*args)
+            inside[0] += time.thread_time() - c0
+            return out
+
+        return run
+
+    bb = Backbone.from_pretrained("tiny-ar", compile="default")
+    compiled_call(bb.model, "default")  # its dynamo settings
+    bb._call = torch.compile(bb.model, backend=timed_inductor, dynamic=True)
+    bb.time_forwards, bb.forward_clock = True, time.thread_time
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    rows = []
+    for shape in CALLS:
+        call = forward_call(bb, *shape, False)
+        call(), call()
+        whole, model, graph = [], [], []
+        for _ in range(repeats):
+            inside[0], bb.forward_s = 0.0, 0.0
+            c0 = time.thread_time()
+            call()
+            whole.append(time.thread_time() - c0)
+            model.append(bb.forward_s)
+            graph.append(inside[0])
+        rows.append({"shape": list(shape), "whole_ms": med(whole), "model_call_ms": med(model), "graph_ms": med(graph)})
+    linears = [m for m in bb.model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(1, m.in_features) for m in linears]
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 5):
+            c0 = time.thread_time()
+            for m, x in zip(linears, xs):
+                torch.nn.functional.linear(x, m.weight, m.bias)
+            times.append(time.thread_time() - c0)
+    rows.append({"linears": len(linears), "linears_one_row_ms": med(times[5:])})
+    return rows
+
+
+def split_table(rows: list[dict]) -> str:
+    """:func:`split_call`'s rows (Markdown)."""
+    body = [[", ".join(map(str, r["shape"])), f"{r['whole_ms']:.2f}", f"{r['whole_ms'] - r['model_call_ms']:.2f}",
+             f"{r['model_call_ms'] - r['graph_ms']:.2f}", f"{r['graph_ms']:.2f}"] for r in rows if "shape" in r]
+    lin = rows[-1]
+    return (markdown(["shape (kind, rows, fed, past)", "whole call, CPU ms", "outside the model call",
+                      "model call outside the graph", "inside the graph"], body)
+            + f"the model's {lin['linears']} linear layers alone on one row: {lin['linears_one_row_ms']:.2f} ms\n")
+
+
 def calls_table(rows: list[dict]) -> str:
     """One forward's wall and CPU time per shape and arm (Markdown)."""
     return markdown(["shape (kind, rows, fed, past)", "arm", "wall ms", "CPU ms"],
@@ -133,13 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls-only", action="store_true", help="only the per-call cost of two shapes (see above)")
     ap.add_argument("--call-repeats", type=int, default=40)
     ap.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper instead of its Python one")
+    ap.add_argument("--split", action="store_true", help="where a compiled call's CPU time goes (see split_call)")
+    ap.add_argument("--freezing", action="store_true", help="inductor's freezing (weights as constants)")
     ap.add_argument("--out", type=Path, default=Path("runs/compile_bench"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if a.cpp_wrapper:
-        import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config
 
+    if a.cpp_wrapper:
         inductor_config.cpp_wrapper = True
+    if a.freezing:
+        inductor_config.freezing = True
+    if a.split:
+        rows = split_call(a.call_repeats)
+        print(f"\nthe compiled call's CPU time, median of {a.call_repeats} rounds (tiny-ar, compile default)\n"
+              + split_table(rows), end="")
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "split.json").write_text(json.dumps(rows, indent=1))
+        return 0
     if a.calls_only:
         rows = per_call(a.mode, a.call_repeats)
         print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "

@@ -1,7 +1,7 @@
 """What batching can save: the cost of one forward per sequence against the batch size, and the cost model.
 
     .venv/bin/python scripts/forward_cost.py [--model tiny-refusion] [--cached 150] [--repeats 30]
-        [--compile [MODE]] [--fit-repeats 7] [--warm-calls 6] [--no-fit] [--json PATH]
+        [--compile [MODE]] [--fit-repeats 7] [--warm-calls 6] [--clock wall|cpu] [--no-fit] [--json PATH]
 
 For each number of tokens fed per sequence (1: an AR step; 16; 64: a wide ReFusion Stage I) and each
 batch size (1, 4, 16), times one forward of ``[batch, fed]`` new tokens after ``--cached`` cached
@@ -11,6 +11,8 @@ fixed per-call cost per kind of forward, per token fed, per key attended over, p
 logits row) on its grid of shapes timed through the decoders' own caches, and prints the coefficients
 and the fit's relative error (``--json``: the fitted model as JSON, for ``scripts/cost_model.py``'s
 predictions). ``--compile``: the forwards run through ``torch.compile`` (``Backbone(compile=MODE)``).
+``--clock cpu``: the fit's forwards are timed in this thread's CPU time (``time.thread_time``), which
+other processes on a shared machine inflate less than wall time.
 One torch thread, float32, on the CPU.
 """
 
@@ -51,6 +53,7 @@ def main() -> int:
     p.add_argument("--fit-repeats", type=int, default=7, help="timed rounds of the cost model's grid")
     p.add_argument("--warm-calls", type=int, default=WARM_CALLS,
                    help="untimed calls of each grid shape before its timed one (0: right after the previous shape)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="the fit's clock: wall or this thread's CPU time")
     p.add_argument("--no-fit", action="store_true", help="the per-sequence table only")
     p.add_argument("--json", type=Path, default=None, help="write the fitted cost model here")
     a = p.parse_args()
@@ -65,8 +68,9 @@ def main() -> int:
         print(f"| {fed} | " + " | ".join(cells) + " |")
     if a.no_fit:
         return 0
-    model = fit(measure(bb, repeats=a.fit_repeats, warm=a.warm_calls), device="cpu, 1 thread",
-                note=f"{a.model}, compile {a.compile}, {a.warm_calls} warm calls")
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+    model = fit(measure(bb, repeats=a.fit_repeats, clock=clock, warm=a.warm_calls), device="cpu, 1 thread",
+                note=f"{a.model}, compile {a.compile}, {a.warm_calls} warm calls, {a.clock} clock")
     print(f"\nforward cost model ({model.note}; relative error of the fit: median "
           f"{100 * model.fit_error['median']:.1f}%, max {100 * model.fit_error['max']:.1f}%)")
     print(model.markdown(), end="")

@@ -79,6 +79,71 @@ def test_batched_forwards_with_and_without_the_per_row_head_match_eager(char_tok
     assert [(e.nfe, c.nfe) for e, c in pairs] == [(7, 7), (6, 6)]
 
 
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_a_dense_cache_after_a_prefill_or_a_crop_reuses_the_graph(char_tokenizer, dynamo_only):
+    # a prefill leaves the cache's keys as a transposed view and a crop as a narrower view, and ids may
+    # come as a strided view; each layout was once a graph of its own (dynamo guards static strides)
+    model = make_tiny_qwen3(len(char_tokenizer), seed=0)
+    eager, compiled = Backbone(model, char_tokenizer), Backbone(model, char_tokenizer, compile="default")
+    g = torch.Generator().manual_seed(0)
+    steps = [(5, True), (3, True), (4, False), (2, True), (3, False), (4, True)]  # (tokens fed, keep_kv)
+    caches = {bb: bb.new_cache() for bb in (eager, compiled)}
+    start, counts = 0, []
+    for i, (n, keep) in enumerate(steps):
+        ids, pos = torch.randint(4, 40, (n,), generator=g), torch.arange(start, start + n)
+        if i == 3:  # ids and positions as strided views (every other entry of a longer tensor): the same graph
+            ids, pos = torch.stack([ids, ids]).t().reshape(-1)[::2], torch.stack([pos, pos]).t().reshape(-1)[::2]
+        want, got = (bb.forward(ids, pos, caches[bb].kv, keep_kv=keep) for bb in (eager, compiled))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        start += n if keep else 0
+        counts.append(_graphs())
+    assert caches[compiled].length() == caches[eager].length() == 14
+    assert counts[2:] == [counts[1]] * (len(steps) - 2)  # the prefill's graph, then one graph for every step
+
+
+def test_a_ragged_batch_that_loses_a_sequence_reuses_its_graph(char_tokenizer, dynamo_only):
+    # a finished sequence leaves its buffer row spare, so the next call has fewer rows than the buffers:
+    # with "duck sizing" the two sizes, equal at the first call, shared one symbol and this recompiled
+    model = make_tiny_qwen3(len(char_tokenizer), seed=0)
+    eager, compiled = Backbone(model, char_tokenizer), Backbone(model, char_tokenizer, compile="default")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 40, (n,), generator=g) for n in (4, 6, 5)]
+    shared = {bb: RaggedCache(bb) for bb in (eager, compiled)}
+    views = {bb: [shared[bb].new_view() for _ in prompts] for bb in (eager, compiled)}
+    counts = []
+    for step in range(3):
+        if step == 2:
+            for bb in (eager, compiled):
+                shared[bb].release(views[bb].pop(1))
+        live = [0, 2] if step == 2 else [0, 1, 2]
+        outs = []
+        for bb in (eager, compiled):
+            reqs = [ForwardRequest(v, prompts[i][:3] + step, torch.arange(3 * step, 3 * step + 3), logits_at=[2])
+                    for v, i in zip(views[bb], live)]
+            outs.append(shared[bb].forward(reqs))
+        for w, c in zip(*outs):
+            torch.testing.assert_close(c, w, rtol=1e-4, atol=1e-4)
+        counts.append(_graphs())
+    assert counts[2] == counts[1]
+
+
+def test_ragged_buffers_are_wider_than_every_forward(char_tokenizer):
+    # a forward attends over columns [:width] of the buffers; were that the whole buffer, a compiled
+    # forward would compile one graph for width == capacity and another for width < capacity
+    bb = Backbone(make_tiny_qwen3(len(char_tokenizer), seed=0), char_tokenizer)
+    shared = RaggedCache(bb)
+    view = shared.new_view()
+    for n in (64, 64, 128):  # widths 64, 128, 256: each a power of two, as the buffers grow
+        shared.forward([ForwardRequest(view, torch.randint(4, 40, (n,)), torch.arange(view.length(), view.length() + n),
+                                       logits_at=None)])
+        assert shared.keys[0].shape[2] > view.length()
+
+
 @pytest.mark.parametrize("attention, config", CASES, ids=[c["decoder"] for _, c in CASES])
 @pytest.mark.slow  # minutes: inductor compiles C++ kernels for each graph
 @pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")

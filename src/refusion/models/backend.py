@@ -75,7 +75,29 @@ def compiled_call(model: PreTrainedModel, mode: str):
     # would take such an attribute's shape as static and compile a graph per length (parameters and
     # buffers stay static: ``force_parameter_static_shapes``)
     config.force_nn_module_property_static_shapes = False
+    # no "duck sizing": a ragged batch's cache buffers have as many rows as the call has rows only while every
+    # sequence takes part; equal sizes sharing one symbol would compile a second graph for when they differ
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
     return torch.compile(model, mode=mode, dynamic=COMPILE_DYNAMIC)
+
+
+def plain(t: Tensor) -> Tensor:
+    """``t`` itself when it is contiguous and not a view, else a contiguous copy. A compiled graph is
+    specialised to its inputs' strides and to whether each is a view (dynamo guards a view's base), so an
+    input given as a slice, a transposed or an expanded view would compile a graph of its own."""
+    return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def contiguous_layers(cache: Cache) -> None:
+    """Make each layer's ``keys`` / ``values`` of a dense transformers cache :func:`plain`, in place. A
+    prefill leaves them as a transposed view of the projection and a crop as a narrower view of the old
+    tensor: one copy of the cache, only where it is such a view, instead of a graph per layout."""
+    for layer in cache.layers:
+        if isinstance(layer, OffsetLayer) or getattr(layer, "keys", None) is None:
+            continue
+        layer.keys, layer.values = plain(layer.keys), plain(layer.values)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -247,6 +269,10 @@ class Backbone:
         else:  # causal over the cache; no 2D all-ones mask, whose check inside the model would synchronise
             mask = None
         rows = self._rows(logits_at, T)
+        if self.compile is not None:  # one graph per kind of call, not per layout of its inputs
+            ids, pos = plain(ids), plain(pos)
+            if cache is not None:
+                contiguous_layers(cache)
         if self.time_forwards:
             self.synchronize()
             t0 = self.forward_clock()

@@ -234,14 +234,15 @@ class RaggedCache:
 
     # ------------------------------------------------------------------ forward
     def _ensure(self, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Buffers of at least ``capacity`` columns (doubling), made at the first call."""
+        """Buffers of MORE than ``capacity`` columns (doubling), made at the first call: a forward's ``[:width]``
+        is never the whole buffer (a compiled forward would compile a graph for each case)."""
         if not self.keys:
-            shape = (len(self.lengths), self.n_kv_heads, max(capacity, 64), self.head_dim)
+            shape = (len(self.lengths), self.n_kv_heads, max(capacity + 1, 64), self.head_dim)
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
             self.phys = list(range(len(self.lengths)))
-        elif self.keys[0].shape[2] < capacity:
-            capacity = max(capacity, 2 * self.keys[0].shape[2])
+        elif self.keys[0].shape[2] <= capacity:
+            capacity = max(capacity + 1, 2 * self.keys[0].shape[2])
             self.keys, self.values = grow_columns(self.keys, capacity), grow_columns(self.values, capacity)
 
     def forward(self, requests: list[ForwardRequest]) -> list[Tensor | None]:
