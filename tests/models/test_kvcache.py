@@ -215,3 +215,50 @@ def test_a_sequence_joining_a_running_batch_takes_a_spare_row_without_copying_th
         shared.new_view()
         held.append(shared.keys[0].shape[0])
     assert held == [4, 6, 6]
+
+
+def test_a_forward_of_some_rows_copies_only_their_attended_columns(backbone):
+    """A server's forward of some sequences alone (a new prompt beside the running batch, rows split by
+    width) writes their new KV in place and reads only their rows' first ``width`` columns out of the
+    buffers (nothing, when their buffer rows are consecutive), not their whole capacity out and back; its
+    logits are each row's own cache's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shared = RaggedCache(backbone)
+    a, long, b, c = (shared.new_view() for _ in range(4))
+    prompts = {a: [10, 11, 12], long: [int(t) for t in torch.arange(100) % 20 + 3], b: [20, 21], c: [22]}
+    shared.forward([ForwardRequest(v, torch.tensor(p), torch.arange(len(p))) for v, p in prompts.items()])
+    capacity = shared.keys[0].shape[2]
+    assert capacity >= 100
+    refs = {v: backbone.new_cache() for v in prompts}
+    for v, p in prompts.items():
+        single(backbone, p, cache=refs[v])
+    storages = {t.untyped_storage().data_ptr() for t in (*shared.keys, *shared.values)}
+    per_column = 2 * shared.n_layers * shared.n_kv_heads * shared.head_dim  # keys and values of every layer
+
+    class Copies(TorchDispatchMode):  # elements copied out of or into the KV buffers
+        def __init__(self):
+            super().__init__()
+            self.elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__
+            if ("index_select" in name or "index_copy" in name or name.startswith("copy")) and any(
+                    isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in storages for x in args):
+                self.elements += out.numel()
+            return out
+
+    def step(views, fed):
+        with Copies() as copies:
+            got = shared.forward([ForwardRequest(v, torch.tensor([fed]), torch.tensor([shared.lengths[v.rows[0]]]))
+                                  for v in views])
+        for v, logits in zip(views, got):
+            torch.testing.assert_close(logits, single(backbone, [fed], [refs[v].length()], refs[v]), **TOL)
+        return copies.elements
+
+    width = 3 + 1  # a's 3 tokens and the one fed
+    assert 0 < step([a, b], 30) <= 2 * width * per_column < 2 * capacity * per_column  # buffer rows 0 and 2
+    assert step([b, c], 31) == 0  # buffer rows 2 and 3: a slice of the buffers
+    assert shared.lengths == [4, 100, 4, 2]
+    step([a, long, b, c], 32)  # every row: the KV written in place stays

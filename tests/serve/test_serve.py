@@ -513,3 +513,46 @@ def test_every_response_names_the_server_that_answered(server):
         assert response.status == 404 and response.getheader("X-Refusion-Server") == server.state.server_id
     finally:
         conn.close()
+
+
+def test_the_events_of_a_step_reach_an_event_loop_in_one_wake_up():
+    """Each event a wake-up of the handlers' event loop made the HTTP side take the interpreter from the
+    engine thread once per commit; the engine hands a step's events over in one ``call_soon_threadsafe`` per
+    loop, each job's events in order, the tokens the offline decode's."""
+    import threading
+
+    from refusion.serve.engine import Engine, LoopSink
+
+    class Loop:  # an event loop that runs each hand-over at once and counts them
+        wakeups = 0
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.wakeups += 1
+            fn(*args)
+
+    model, config = SERVED["ar"]
+    decoder = build_decoder(offline_backbone(model), config)
+    prompts = [chat_ids(model, q) for q in QUERIES[:4]]
+    loop, got, ended = Loop(), [[] for _ in prompts], threading.Semaphore(0)
+
+    def put(i):
+        def put_event(event):
+            got[i].append(event)
+            if event[0] != "commit":
+                ended.release()
+        return put_event
+
+    engine = Engine(decoder, max_batch=4, max_queue=4)
+    for i, p in enumerate(prompts):
+        engine.submit(Job(p, decoder, None, time.perf_counter() + 60, LoopSink(loop, put(i))))
+    calls = decoder.backbone.nfe
+    engine.start()
+    for _ in prompts:
+        assert ended.acquire(timeout=60)
+    engine.stop()
+    calls = decoder.backbone.nfe - calls
+    for p, events in zip(prompts, got):
+        want = offline(model, config, p)
+        assert events[-1] == ("end", want) and [t for e in events[:-1] for t in e[1]] == want
+    assert sum(len(events) for events in got) > 2 * calls  # a commit per job and step
+    assert loop.wakeups <= calls + 1

@@ -267,25 +267,26 @@ class RaggedCache:
         past = max(lengths)
         self._ensure(past + T, dev, dtype)
         every = len(rows) == len(self.lengths)
-        if not every:  # a forward of some sequences alone: their rows are copied out and back
-            self._materialize()
+        if not every and len(set(self.phys)) < len(self.phys):  # forked rows share a buffer row: each row
+            self._materialize()  # gets its own before a forward of some sequences writes in place
         physical, n, gathered = [self.phys[r] for r in rows], len(rows), None  # gathered: new buffers
-        if every and physical == list(range(n)):  # rows already in this order: no copy
-            keys, values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
-        elif every:
+        take = None  # the buffer row of each row of the forward, where the buffers are not sliced to them
+        start = 0 if every else physical[0]  # every row: in order from buffer row 0 (then a row joining
+        if physical == list(range(start, start + n)):  # takes the spare row after them); else consecutive rows
+            keys, values = [k[start: start + n] for k in self.keys], [v[start: start + n] for v in self.values]
+        elif every:  # every row, reordered: one gather, which later forwards then read in order
             gathered = self._gather(physical)
             keys, values = [k[:n] for k in gathered[0]], [v[:n] for v in gathered[1]]
-        else:
-            index = from_host(physical, dev, torch.long)
-            keys = [k.index_select(0, index) for k in self.keys]
-            values = [v.index_select(0, index) for v in self.values]
+        else:  # a forward of some sequences alone (a prompt beside a running batch, rows split by width):
+            # written in place in the buffers, its rows' first ``width`` columns gathered per layer
+            keys, values, take = self.keys, self.values, from_host(physical, dev, torch.long)
         ids = torch.cat([_pad_right(req.ids.to(dev), T, bb.eos_id) for req in requests])  # [R', T]
         pos = torch.cat([_pad_right(req.pos.to(dev), T, 0) for req in requests])  # [R', T]
         offsets = from_host(lengths, dev, torch.long)  # [R']
         width = past + T
         mask = additive_mask(self._allowed(requests, offsets, T, width), dtype)[:, None]  # [R', 1, T, width]
         kind = "ragged" if all(req.attention.kind == "causal" for req in requests) else "ragged_masked"
-        cache = offset_cache(keys, values, offsets, T, width)
+        cache = offset_cache(keys, values, offsets, T, width, take)
         wanted = [req.columns() if req.logits_at is not None else None for req in requests]
         union = sorted(set(c for cols in wanted if cols for c in cols))
         any_logits = any(cols is not None for cols in wanted)
@@ -304,15 +305,10 @@ class RaggedCache:
         else:
             logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask, kind=kind,
                                 logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
-        if every:  # the buffers hold logical row rows[i] at row i now (written in place)
-            if gathered is not None:
-                self.keys, self.values = gathered
+        if gathered is not None:  # the buffers hold logical row rows[i] at row i now
+            self.keys, self.values = gathered
             for i, r in enumerate(rows):
                 self.phys[r] = i
-        elif any(req.keep_kv for req in requests):  # else the new KV lies past every row's length: scratch
-            for i in range(self.n_layers):
-                self.keys[i].index_copy_(0, index, keys[i])
-                self.values[i].index_copy_(0, index, values[i])
         out: list[Tensor | None] = []
         at = flat_at = 0
         place = {c: i for i, c in enumerate(union)}

@@ -14,23 +14,30 @@ from transformers.cache_utils import DynamicLayer
 
 
 class OffsetLayer(DynamicLayer):
-    """One layer of one batched forward over per-row KV buffers ``[R, n_kv_heads, C, head_dim]``: the
-    forward's new KV of row r is written (in place) at columns ``offsets[r] ..`` and every row attends
-    over columns ``0 .. width-1``, its additive mask saying which of them are its keys. Nothing is
+    """One layer of one batched forward over per-row KV buffers ``[B, n_kv_heads, C, head_dim]``: the
+    forward's new KV of its row r is written (in place) at buffer row ``rows[r]``, columns ``offsets[r] ..``,
+    and every row attends over columns ``0 .. width-1``, its additive mask saying which of them are its keys.
+    Without ``take`` the buffers hold the forward's rows in order (``B`` = its rows); with ``take [R]`` (the
+    buffer row of each of the forward's rows) the attended keys are those rows' first ``width`` columns,
+    gathered after the write (the rest of the buffers is neither copied nor written back). Nothing is
     appended or cropped: which columns hold a row's valid KV is the caller's bookkeeping."""
 
-    def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, cols: Tensor, past: int, width: int) -> None:
+    def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, cols: Tensor, past: int, width: int,
+                 take: Tensor | None = None) -> None:
         super().__init__()
         self.keys, self.values, self.is_initialized = keys, values, True
         self.rows, self.cols = rows, cols  # [R, T] each: where row r's t-th new token goes (shared by the layers)
-        self.past, self.width = past, width
+        self.past, self.width, self.take = past, width, take
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # an index_put_, not a scatter_: under torch.compile inductor writes an index_put_ into the buffer in
         # place, while a scatter_ becomes a copy of the whole buffer per layer and call
         self.keys[self.rows, :, self.cols] = key_states.transpose(1, 2).to(self.keys.dtype)  # [R, T, H, D]
         self.values[self.rows, :, self.cols] = value_states.transpose(1, 2).to(self.values.dtype)
-        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+        keys, values = self.keys[:, :, : self.width], self.values[:, :, : self.width]
+        if self.take is None:
+            return keys, values
+        return keys.index_select(0, self.take), values.index_select(0, self.take)  # [R, H, width, D]
 
     def get_seq_length(self) -> int:
         return self.past
@@ -39,14 +46,17 @@ class OffsetLayer(DynamicLayer):
         return self.past + query_length, 0
 
 
-def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int) -> Cache:
+def offset_cache(keys: list[Tensor], values: list[Tensor], offsets: Tensor, fed: int, width: int,
+                 take: Tensor | None = None) -> Cache:
     """A transformers cache over per-layer buffers (:class:`OffsetLayer`) for a forward of ``fed`` tokens
     per row written at columns ``offsets [R] ..`` and attending over columns ``0 .. width-1``; the mask of
-    that forward is ``[R, 1, fed, width]``."""
+    that forward is ``[R, 1, fed, width]``. ``take [R]``: the buffer row of each of the forward's rows
+    (None: the buffers hold exactly the forward's rows, in order)."""
     dev = offsets.device
     cols = offsets[:, None] + torch.arange(fed, device=dev)  # [R, fed]: computed once for every layer
-    rows = torch.arange(offsets.shape[0], device=dev)[:, None].expand_as(cols)  # [R, fed]
-    return Cache(layers=[OffsetLayer(k, v, rows, cols, width - fed, width) for k, v in zip(keys, values)])
+    at = torch.arange(offsets.shape[0], device=dev) if take is None else take
+    rows = at[:, None].expand_as(cols)  # [R, fed]
+    return Cache(layers=[OffsetLayer(k, v, rows, cols, width - fed, width, take) for k, v in zip(keys, values)])
 
 
 def grow_columns(buffers: list[Tensor], capacity: int) -> list[Tensor]:

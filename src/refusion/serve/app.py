@@ -23,7 +23,6 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -32,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from refusion.serve.engine import STREAM_INTERVAL, Engine, Job
+from refusion.serve.engine import STREAM_INTERVAL, Engine, Job, LoopSink
 from refusion.serve.options import EXTENSION, DecoderPool
 from refusion.serve.protocol import (
     MAX_BODY_BYTES, REQUEST_TIMEOUT_S, ChatRequest, CompletionRequest, RequestError, parse,
@@ -75,9 +74,9 @@ class Inbox:
         self.events: collections.deque[tuple] = collections.deque()
         self.ready = asyncio.Event()
 
-    def sink(self) -> Callable[[tuple], None]:
-        """The job's sink: called on the engine thread, hands the event to the event loop."""
-        return lambda event: self.loop.call_soon_threadsafe(self._put, event)
+    def sink(self) -> LoopSink:
+        """The job's sink: the engine hands its events to the event loop (batched per model call)."""
+        return LoopSink(self.loop, self._put)
 
     def _put(self, event: tuple) -> None:
         self.events.append(event)

@@ -22,9 +22,11 @@ Events a sink receives, from the engine thread: ``("commit", token_ids)`` (final
 ``("end", token_ids)`` (the loop's whole output) or ``("error", status, message)``; exactly one of the last
 two ends each admitted or rejected job, except a job cancelled by its own handler (disconnect, stop). A
 job's commits are coalesced by its ``stream_interval``: its first commit is sent at once, later ones once
-``stream_interval`` tokens are pending, and what is pending is sent before its ``end`` (each event is a
-wake-up of the handler's event loop, and for a streamed request one HTTP chunk: AR commits one token per
-step).
+``stream_interval`` tokens are pending, and what is pending is sent before its ``end`` (for a streamed
+request each event is one HTTP chunk: AR commits one token per step). An admitted job's events are held
+until the engine's next model call (or its next wait for requests) and handed over then, in order: the
+events of every :class:`LoopSink` on one event loop in one wake-up of that loop (one
+``call_soon_threadsafe``), however many jobs and commits the step had; a plain callable gets each event.
 """
 
 from __future__ import annotations
@@ -62,6 +64,24 @@ def default_call_cost_tokens(device) -> float | None:
     return CALL_COST_TOKENS_CPU if torch.device(device).type == "cpu" else None
 
 
+class LoopSink:
+    """A job's sink on an asyncio event loop: ``put(event)`` runs on ``loop``. Called, it hands one event over
+    (one wake-up of the loop); the engine hands an admitted job's events over in batches, one wake-up per
+    loop and step (:meth:`Engine._deliver`)."""
+
+    def __init__(self, loop, put: Callable[[tuple], None]) -> None:
+        self.loop, self.put = loop, put
+
+    def __call__(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.put, event)
+
+
+def _put_all(items: list[tuple[Callable[[tuple], None], tuple]]) -> None:
+    """On an event loop: each ``(put, event)`` of one hand-over, in order."""
+    for put, event in items:
+        put(event)
+
+
 class Job:
     """One request in the engine: its prompt, its decoder, its seed, its deadline and its sink."""
 
@@ -77,6 +97,8 @@ class Job:
         self.stream_interval = stream_interval
         self.pending: list[int] = []  # committed tokens not yet sent
         self.commits_sent = 0
+        #: the engine's events not yet handed over (set at admission; None: each event is sent at once)
+        self.outbox: list[tuple[Job, tuple]] | None = None
 
     def commit(self, token_ids: list[int]) -> None:
         """Hold newly committed tokens; send what is pending as one commit event when it is the first or
@@ -98,6 +120,13 @@ class Job:
             self.cancel_reason = reason
 
     def send(self, event: tuple) -> None:
+        """Hand ``event`` to the sink, or hold it in the engine's outbox once admitted."""
+        if self.outbox is not None:
+            self.outbox.append((self, event))
+        else:
+            self.deliver(event)
+
+    def deliver(self, event: tuple) -> None:
         try:
             self.sink(event)
         except RuntimeError:  # the handler's event loop has closed: nobody listens any more
@@ -140,7 +169,9 @@ class Engine:
         self._accepting = True
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[Job, tuple]] = []  # admitted jobs' events not yet handed over (engine thread)
         self._nfe = self._fed = 0  # the backbone's counts of calls and tokens fed at the last count
+        self._generated = 0  # tokens committed since the last count
         self._cpu = 0.0  # the engine thread's CPU time at the last count
         self.cache = None
 
@@ -220,18 +251,43 @@ class Engine:
                 for job in failed:
                     job.send(("error", 500, f"the batch failed: {type(e).__name__}: {e}"))
                 self.metrics.set("refusion_batch_size", 0)
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the held events over (engine thread): one ``call_soon_threadsafe`` per event loop of
+        :class:`LoopSink` sinks, each other sink called per event; the order of each job's events kept."""
+        if not self._outbox:
+            return
+        events = self._outbox[:]
+        self._outbox.clear()  # the same list: admitted jobs hold it
+        by_loop: dict[object, list[tuple[Callable[[tuple], None], tuple]]] = {}
+        for job, event in events:
+            if isinstance(job.sink, LoopSink):
+                by_loop.setdefault(job.sink.loop, []).append((job.sink.put, event))
+            else:
+                job.deliver(event)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop has closed: nobody listens any more
+                pass
 
     def _count_calls(self) -> None:
-        """Add the model calls, tokens fed and engine-thread CPU time since the last count to the metrics."""
+        """Add the model calls, tokens fed, tokens generated and engine-thread CPU time since the last count
+        to the metrics."""
         bb = self.decoder.backbone
         cpu = time.thread_time()
         self.metrics.inc("refusion_forward_calls_total", bb.nfe - self._nfe)
         self.metrics.inc("refusion_tokens_fed_total", bb.tokens_in - self._fed)
         self.metrics.inc("refusion_engine_cpu_seconds_total", cpu - self._cpu)
-        self._nfe, self._fed, self._cpu = bb.nfe, bb.tokens_in, cpu
+        if self._generated:
+            self.metrics.inc("refusion_generation_tokens_total", self._generated)
+        self._nfe, self._fed, self._cpu, self._generated = bb.nfe, bb.tokens_in, cpu, 0
 
     def _admit(self) -> list[LoopSteps]:
-        """Before each model call: the queued jobs that fit in the batch (blocks while idle)."""
+        """Before each model call: the queued jobs that fit in the batch (blocks while idle); first hands
+        the events of the steps since the last call over."""
+        self._deliver()
         self._count_calls()
         with self._cond:
             while not self._queue and not self._running and not self._stopping:
@@ -250,6 +306,7 @@ class Engine:
                     job.send(("error", 504, "the request timed out while queued (--request-timeout)"))
                     self.metrics.inc("refusion_cancelled_total", reason="timeout")
                 else:
+                    job.outbox = self._outbox
                     new.append(job)
             self._running.update(new)
             running = len(self._running)
@@ -292,7 +349,7 @@ class Engine:
                     job.send(("end", list(stop.value.token_ids)))
                     return stop.value
                 if isinstance(step, Commit):
-                    self.metrics.inc("refusion_generation_tokens_total", len(step.token_ids))
+                    self._generated += len(step.token_ids)  # counted with the calls (one lock a step)
                     job.commit(list(step.token_ids))
                     reply = None
                     continue

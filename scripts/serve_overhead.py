@@ -1,0 +1,225 @@
+"""Where a served decode's CPU time goes, against batch-bench's, on the thread that decodes.
+
+A bench row's decoder on the task's first ``--limit`` test prompts, in one process, one torch thread. Each
+mode decodes every prompt once; ``--rounds`` interleaved rounds (the order reversed every other round):
+
+``offline``         batch-bench at batch 16 (chunks of 16 through ``Decoder.generate_batch``), main thread;
+``offline-thread``  the same in a thread of its own (glibc's per-thread malloc arenas, a non-main stack);
+``offline-loop``    the same in a thread while the main thread runs an asyncio event loop as a server's
+                    does: 16 handlers each checking every 0.2 s, and one ``call_soon_threadsafe`` per commit
+                    (every commit wakes the loop, which takes the interpreter from the decoding thread);
+``engine``          the serving engine (``serve/engine.py``, max batch 16) with 16 client threads, each
+                    sending its next request when its answer ends: the served arrival pattern, no HTTP;
+``server``          the same engine inside the HTTP server (in this process, uvicorn on its own thread),
+                    driven by ``refusion loadtest --concurrency 16`` in a subprocess.
+
+Per mode, on the decoding thread (the engine thread for the last two): its CPU seconds (``RUSAGE_THREAD``,
+user and system; the engine's ``refusion_engine_cpu_seconds_total`` for ``server``), minor page faults,
+model calls, tokens fed (padding included), and its CPU time split into the model's forward
+(``Backbone.forward``), the batch cache's work around it (``RaggedCache.forward`` less the model: masks,
+row gathers, KV copies) and the rest (the decoders' loops, the engine's bookkeeping). Prints one line per
+mode and round and a table of the medians over the rounds, with each mode's CPU over ``offline``'s.
+
+    python scripts/serve_overhead.py --row ar --rounds 5
+    python scripts/serve_overhead.py --row block --modes offline,engine,server --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from refusion.core.config import build_decoder
+from refusion.core.threads import set_threads
+from refusion.experiments import tables
+from refusion.experiments.bench import load_bench_config
+from refusion.models.backend import Backbone
+from refusion.models.kvcache import RaggedCache
+from refusion.models.tokenizer import encode_prompt
+from refusion.serve.engine import Engine, Job
+from refusion.serve.server import BackgroundServer, create_state
+from refusion.tasks import get_task
+
+MODES = ("offline", "offline-thread", "offline-loop", "engine", "server")
+#: CPU seconds of the decoding thread inside each timed function (one decoding thread runs at a time)
+spent = {"model": 0.0, "cache": 0.0}
+
+
+def timed(cls, name: str, key: str) -> None:
+    """Wrap ``cls.name`` so that the calling thread's CPU time inside it adds to ``spent[key]``."""
+    inner = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[key] += time.thread_time() - t0
+
+    setattr(cls, name, wrapper)
+
+
+def thread_usage() -> tuple[float, float, int]:
+    """(user s, system s, minor faults) of the calling thread."""
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+def in_thread(fn) -> dict:
+    """Run ``fn`` (-> dict) in a new thread; its result."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(fn()))
+    t.start()
+    t.join()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", default="ar")
+    ap.add_argument("--task", default="arith")
+    ap.add_argument("--limit", type=int, default=32, help="prompts of the task (default 32)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)} (default all)")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    if "offline" not in modes or set(modes) - set(MODES):
+        ap.error(f"--modes: of {', '.join(MODES)}, offline included; got {args.modes!r}")
+    set_threads(1)
+    bench, task = load_bench_config(None), get_task(args.task)
+    bb = Backbone.from_pretrained(bench.models[args.row])
+    config = bench.decoder_config(args.task, args.row, task.max_new_tokens)
+    decoder = build_decoder(bb, config)
+    prompts = [encode_prompt(bb.tokenizer, ex.query) for ex in task.examples("test", args.limit)]
+    timed(Backbone, "forward", "model")
+    timed(RaggedCache, "forward", "cache")
+
+    def batches(on_commit=None) -> dict:
+        u0, s0, f0 = thread_usage()
+        for i in range(0, len(prompts), 16):
+            decoder.generate_batch(prompts[i: i + 16], on_commit)
+        u1, s1, f1 = thread_usage()
+        return {"user": u1 - u0, "sys": s1 - s0, "faults": f1 - f0}
+
+    def with_loop() -> dict:
+        async def serve() -> dict:
+            loop, done = asyncio.get_running_loop(), asyncio.Event()
+            commits = [0]
+
+            def on_commit(i: int, commit) -> None:
+                loop.call_soon_threadsafe(commits.__setitem__, 0, commits[0] + 1)
+
+            async def handler() -> None:
+                while not done.is_set():
+                    try:
+                        await asyncio.wait_for(done.wait(), 0.2)
+                    except asyncio.TimeoutError:
+                        pass
+
+            handlers = [asyncio.create_task(handler()) for _ in range(16)]
+            out = await loop.run_in_executor(None, batches, on_commit)
+            done.set()
+            await asyncio.gather(*handlers)
+            return out
+
+        return asyncio.run(serve())
+
+    def engine() -> dict:
+        usage: dict = {}
+
+        class Measured(Engine):
+            def _run(self) -> None:
+                u0, s0, f0 = thread_usage()
+                super()._run()
+                u1, s1, f1 = thread_usage()
+                usage.update(user=u1 - u0, sys=s1 - s0, faults=f1 - f0)
+
+        e = Measured(decoder, max_batch=16, max_queue=len(prompts))
+        pending, lock = iter(prompts), threading.Lock()
+
+        def client() -> None:
+            while True:
+                with lock:
+                    prompt = next(pending, None)
+                if prompt is None:
+                    return
+                ended = threading.Event()
+                e.submit(Job(prompt, decoder, None, time.perf_counter() + 3600,
+                             lambda event: ended.set() if event[0] in ("end", "error") else None, 4))
+                ended.wait()
+
+        e.start()
+        clients = [threading.Thread(target=client) for _ in range(16)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        e.stop()
+        return usage
+
+    server = None
+    if "server" in modes:
+        state = create_state(bb, config, args.row, max_batch=16, max_queue=1024)
+        server = BackgroundServer(state).start()
+
+    def served() -> dict:
+        metric = "refusion_engine_cpu_seconds_total"
+        cpu = server.state.engine.metrics.value(metric)
+        subprocess.run([sys.executable, "-m", "refusion.cli", "loadtest", "--url", server.url, "--concurrency", "16",
+                        "--requests", str(len(prompts)), "--task", args.task, "--limit", str(len(prompts))],
+                       check=True, capture_output=True)
+        end = time.monotonic() + 5
+        while server.state.engine.counts() != (0, 0) and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the engine counts its CPU time as it goes idle
+        return {"user": server.state.engine.metrics.value(metric) - cpu, "sys": 0.0, "faults": None}
+
+    run = {"offline": batches, "offline-thread": lambda: in_thread(batches), "offline-loop": with_loop,
+           "engine": engine, "server": served}
+    batches()  # warm-up
+    for m in modes[1:]:
+        run[m]()
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            nfe, fed = bb.nfe, bb.tokens_in
+            spent.update(model=0.0, cache=0.0)
+            x = run[m]()
+            cpu = x["user"] + x["sys"]
+            x.update(cpu=cpu, calls=bb.nfe - nfe, fed=bb.tokens_in - fed, model=spent["model"],
+                     cache=spent["cache"] - spent["model"], rest=cpu - spent["cache"])
+            rows[m].append(x)
+            print(f"round {r} {m}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in x.items()), f"| load {os.getloadavg()[0]:.2f}", flush=True)
+    if server is not None:
+        server.stop()
+
+    def med(m: str, key: str) -> float:
+        return statistics.median(x[key] for x in rows[m])
+
+    base = [x["cpu"] for x in rows["offline"]]
+    table = []
+    for m in modes:
+        ratios = [x["cpu"] / b for x, b in zip(rows[m], base)]
+        faults = [x["faults"] for x in rows[m] if x["faults"] is not None]
+        table.append([m, f"{med(m, 'cpu'):.2f}", f"{med(m, 'sys'):.3f}",
+                      f"{statistics.median(faults):.0f}" if faults else "-", f"{med(m, 'calls'):.0f}",
+                      f"{med(m, 'fed'):.0f}", f"{1e3 * med(m, 'model') / med(m, 'calls'):.2f}",
+                      f"{med(m, 'cache'):.3f}", f"{med(m, 'rest'):.3f}",
+                      f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})"])
+    print(f"{args.row} on {args.task}, {len(prompts)} prompts, {args.rounds} rounds (medians); load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(tables.markdown(["mode", "thread CPU s", "of it system s", "minor faults", "model calls", "tokens fed",
+                           "model ms per call", "cache s (less the model)", "rest s",
+                           "CPU over offline's (min - max)"], table))
+
+
+if __name__ == "__main__":
+    main()
