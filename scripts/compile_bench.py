@@ -72,8 +72,10 @@ def run_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, list[list[
 CALLS = (("causal", 1, 1, 150), ("ragged", 16, 1, 150))
 
 
-def per_call(mode: str, repeats: int) -> list[dict]:
-    """Median wall and CPU milliseconds of each :data:`CALLS` forward, eager and compiled, interleaved."""
+def per_call(mode: str, repeats: int, skip_guards: bool = False) -> list[dict]:
+    """Median wall and CPU milliseconds of each :data:`CALLS` forward, eager and compiled, interleaved;
+    ``skip_guards``: after the first calls, dynamo's ``skip_guard_eval_unsafe`` stance (guards are checked only
+    where they tell cached graphs apart; a measurement of what the guards cost, unsafe for decoding)."""
     eager = Backbone.from_pretrained("tiny-ar")
     compiled = Backbone(eager.model, eager.tokenizer, mask_id=eager.mask_id, eos_ids=eager.eos_ids, compile=mode)
     calls = [(arm, shape, forward_call(bb, *shape, False)) for shape in CALLS
@@ -83,6 +85,8 @@ def per_call(mode: str, repeats: int) -> list[dict]:
         call()
         call()
         print(f"{arm} {shape}: first calls {time.perf_counter() - t0:.1f} s", flush=True)
+    if skip_guards:
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     wall: list[list[float]] = [[] for _ in calls]
     cpu: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
@@ -206,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper instead of its Python one")
     ap.add_argument("--split", action="store_true", help="where a compiled call's CPU time goes (see split_call)")
     ap.add_argument("--freezing", action="store_true", help="inductor's freezing (weights as constants)")
+    ap.add_argument("--skip-guards", action="store_true",
+                    help="with --calls-only: time the compiled calls under dynamo's skip_guard_eval_unsafe stance")
     ap.add_argument("--out", type=Path, default=Path("runs/compile_bench"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -223,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         (a.out / "split.json").write_text(json.dumps(rows, indent=1))
         return 0
     if a.calls_only:
-        rows = per_call(a.mode, a.call_repeats)
+        rows = per_call(a.mode, a.call_repeats, a.skip_guards)
         print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "
-              f"{'C++' if a.cpp_wrapper else 'Python'} wrapper)\n" + calls_table(rows), end="")
+              f"{'C++' if a.cpp_wrapper else 'Python'} wrapper{', guards skipped' if a.skip_guards else ''})\n" + calls_table(rows), end="")
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "calls.json").write_text(json.dumps({"mode": a.mode, "cpp_wrapper": a.cpp_wrapper, "rows": rows}, indent=1))
+        (a.out / "calls.json").write_text(json.dumps({"mode": a.mode, "cpp_wrapper": a.cpp_wrapper, "skip_guards": a.skip_guards, "rows": rows}, indent=1))
         return 0
     tasks = [t for t in a.tasks.split(",") if t]
     sizes = sorted({int(x) for x in a.batch_sizes.split(",") if x.strip()})
