@@ -8,7 +8,8 @@ mode decodes every prompt once; ``--rounds`` interleaved rounds (the order rever
 ``offline-loop``    the same in a thread while the main thread runs an asyncio event loop as a server's
                     does: 16 handlers each checking every 0.2 s, and one ``call_soon_threadsafe`` per commit
                     (every commit wakes the loop, which takes the interpreter from the decoding thread);
-``engine``          the serving engine (``serve/engine.py``, max batch 16) with 16 client threads, each
+``engine``          the serving engine (``serve/engine.py``, max batch 16, ``--call-cost-tokens`` as
+                    ``refusion serve`` takes it: the CPU's price by default) with 16 client threads, each
                     sending its next request when its answer ends: the served arrival pattern, no HTTP;
 ``engine-width``    the same with calls split by width alone (the call price's key and pair terms 0: the
                     policy before calls by cached length);
@@ -45,7 +46,7 @@ import sys
 import threading
 import time
 
-from refusion.core.config import build_decoder
+from refusion.core.config import ConfigError, build_decoder
 from refusion.core.loop import CallPrice
 from refusion.core.threads import set_threads
 from refusion.experiments import tables
@@ -53,7 +54,8 @@ from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
 from refusion.models.kvcache import RaggedCache
 from refusion.models.tokenizer import encode_prompt
-from refusion.serve.engine import CALL_PRICE_CPU, TOKEN_S_CPU, Engine, Job
+from refusion.serve.cli import parse_call_cost_tokens
+from refusion.serve.engine import CALL_PRICE_CPU, TOKEN_S_CPU, Engine, Job, call_price
 from refusion.serve.server import BackgroundServer, create_state
 from refusion.tasks import get_task
 
@@ -115,10 +117,16 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=32, help="prompts of the task (default 32)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)} (default all)")
+    ap.add_argument("--call-cost-tokens", default="auto", metavar="N[,KEY,PAIR]|auto",
+                    help="mode engine's call price, as refusion serve takes it (default auto: the CPU's)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if "offline" not in modes or set(modes) - set(MODES):
         ap.error(f"--modes: of {', '.join(MODES)}, offline included; got {args.modes!r}")
+    try:
+        price = call_price(parse_call_cost_tokens(args.call_cost_tokens), "cpu")
+    except ConfigError as e:
+        ap.error(str(e))
     set_threads(1)
     bench, task = load_bench_config(None), get_task(args.task)
     bb = Backbone.from_pretrained(bench.models[args.row])
@@ -159,7 +167,7 @@ def main() -> None:
 
         return asyncio.run(serve())
 
-    def engine(price=CALL_PRICE_CPU) -> dict:
+    def engine(price=price) -> dict:
         usage: dict = {}
 
         class Measured(Engine):

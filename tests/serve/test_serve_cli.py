@@ -31,15 +31,15 @@ def test_the_call_price_by_flag_and_device():
     """``--call-cost-tokens``: auto is the CPU's price there and off elsewhere; N alone keeps the device's key
     and pair terms (the CPU's, or none); three numbers set all; the engine names the flag on a bad price."""
     from refusion.core.loop import CallPrice
-    from refusion.serve.cli import _call_cost_tokens
+    from refusion.serve.cli import parse_call_cost_tokens
     from refusion.serve.engine import CALL_PRICE_CPU, call_price
 
-    assert call_price(_call_cost_tokens("auto"), "cpu") == CALL_PRICE_CPU
-    assert call_price(_call_cost_tokens("auto"), "cuda") is None
-    assert call_price(_call_cost_tokens("off"), "cpu") is None
-    assert call_price(_call_cost_tokens("60"), "cpu") == CallPrice(60.0, CALL_PRICE_CPU.key, CALL_PRICE_CPU.pair)
-    assert call_price(_call_cost_tokens("60"), "cuda") == CallPrice(60.0)
-    assert call_price(_call_cost_tokens("60,0.5,0.25"), "cuda") == CallPrice(60.0, 0.5, 0.25)
+    assert call_price(parse_call_cost_tokens("auto"), "cpu") == CALL_PRICE_CPU
+    assert call_price(parse_call_cost_tokens("auto"), "cuda") is None
+    assert call_price(parse_call_cost_tokens("off"), "cpu") is None
+    assert call_price(parse_call_cost_tokens("60"), "cpu") == CallPrice(60.0, CALL_PRICE_CPU.key, CALL_PRICE_CPU.pair)
+    assert call_price(parse_call_cost_tokens("60"), "cuda") == CallPrice(60.0)
+    assert call_price(parse_call_cost_tokens("60,0.5,0.25"), "cuda") == CallPrice(60.0, 0.5, 0.25)
     assert CALL_PRICE_CPU.key > 0 and CALL_PRICE_CPU.pair > 0
 
 

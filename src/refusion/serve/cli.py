@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag}: must be at least {low}, got {value}")
     if args.request_timeout <= 0 or args.shutdown_grace < 0 or args.admit_wait < 0:
         raise ConfigError("--request-timeout must be above 0, --shutdown-grace and --admit-wait 0 or more")
-    call_cost = _call_cost_tokens(args.call_cost_tokens)
+    call_cost = parse_call_cost_tokens(args.call_cost_tokens)
     if not is_loopback(args.host) and key is None:
         print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use it")
     if args.replicas:
@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _call_cost_tokens(text: str) -> float | tuple[float, float, float] | None | str:
+def parse_call_cost_tokens(text: str) -> float | tuple[float, float, float] | None | str:
     """``--call-cost-tokens``: auto, off, N (a call's cost in tokens fed, >= 0) or N,KEY,PAIR (also per
     (row, key) pair and per query-key pair, each >= 0)."""
     if text in ("auto", "off"):
