@@ -192,7 +192,8 @@ def export(model: torch.nn.Module, kind: CallKind):
     fn = TensorForward(model, kind, kv_geometry(model.config)[0]).eval()
     args, shapes = example_inputs(model, kind)
     with torch.no_grad():
-        ep = torch.export.export(fn, args, dynamic_shapes=(*shapes[:3], shapes[3:]), strict=False)  # *rest: one entry
+        dynamic = (*shapes[:3], shapes[3:]) if len(shapes) > 3 else shapes  # *rest: one entry, when given
+        ep = torch.export.export(fn, args, dynamic_shapes=dynamic, strict=False)
     check_symbolic(ep, shapes)
     return fn, ep
 
