@@ -252,7 +252,7 @@ def test_compile_modes_are_checked_naming_the_option(monkeypatch):
     with pytest.raises(RuntimeOptionError) as e:
         Runtime.resolve(compile="fast")
     assert str(e.value) == ("--compile fast: unknown mode; allowed: default, reduce-overhead, max-autotune, "
-                            "max-autotune-no-cudagraphs") and e.value.option == "compile"
+                            "max-autotune-no-cudagraphs, aot") and e.value.option == "compile"
     with pytest.raises(RuntimeOptionError, match=r"^--compile reduce-overhead: .*CUDA only \(device cpu\); "
                                                  r"allowed here: default, max-autotune-no-cudagraphs$"):
         Runtime.resolve(compile="reduce-overhead")
