@@ -105,6 +105,8 @@ def test_packages_are_keyed_by_shapes_dtype_and_kind(char_tokenizer):
     assert package_key(a, kind) != package_key(a.to(torch.bfloat16), kind)
     wider = make_tiny_qwen3(len(char_tokenizer) + 8, seed=0)
     assert package_key(wider, kind) != package_key(a, kind)
+    b.config._name_or_path = "/another/folder"  # where a model was loaded from is not part of its shapes
+    assert package_key(b, kind) == package_key(a, kind)
 
 
 def test_aot_is_a_checked_compile_mode():

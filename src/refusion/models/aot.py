@@ -76,12 +76,13 @@ def cache_dir() -> Path:
 
 
 def package_key(model: torch.nn.Module, kind: CallKind) -> str:
-    """The file name of ``kind``'s package for ``model``: its class, config (the shapes), dtype, device
-    type, the kind, and the torch and transformers versions, hashed."""
+    """The file name of ``kind``'s package for ``model``: its class, config (the shapes; not the folder it
+    was loaded from), dtype, device type, the kind, and the torch and transformers versions, hashed."""
     import transformers
 
     param = next(model.parameters())
-    spec = {"format": FORMAT, "class": type(model).__qualname__, "config": model.config.to_dict(), "dtype": str(param.dtype),
+    config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    spec = {"format": FORMAT, "class": type(model).__qualname__, "config": config, "dtype": str(param.dtype),
             "device": param.device.type, "kind": str(kind), "torch": torch.__version__, "transformers": transformers.__version__}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return f"{type(model).__name__}-{kind}-{digest}.pt2"
