@@ -225,8 +225,10 @@ class AotForward:
     """The model call of a :class:`~refusion.models.backend.Backbone` under ``--compile aot``: takes the
     model's keyword arguments (``input_ids``, ``position_ids``, ``attention_mask``, ``cache``,
     ``use_cache``, ``logits_to_keep``) and returns an object with ``.logits``, updating a dense cache's
-    layers as the model would, unless ``keep_kv`` is False (the caller would crop the new tokens again). ``fallback`` runs the calls no compiled kind takes (see the module docstring);
-    ``compile_kind`` (default :func:`aoti_runner`) makes a kind's compiled function."""
+    layers as the model would, unless ``keep_kv`` is False (the caller would crop the new tokens again).
+    ``fallback`` runs the calls no compiled kind takes (see the module docstring); ``compile_kind`` (default
+    :func:`aoti_runner`) makes a kind's compiled function. The compiled code checks no dtype: index inputs
+    are made int64 here, and a mask not of the model's dtype falls back."""
 
     def __init__(self, model: torch.nn.Module, fallback: Callable, compile_kind: Callable | None = None) -> None:
         self.model, self.fallback = model, fallback
@@ -275,6 +277,8 @@ class AotForward:
         if mask is None:
             mask_kind = "none"
         elif mask.dim() == 4:
+            if mask.dtype != self.model.dtype:
+                return self._fall_back(f"a {mask.dtype} mask", f"the compiled kinds take {self.model.dtype} masks", kwargs)
             mask_kind = "4d"
             mask = mask.expand(R, *mask.shape[1:]).contiguous()  # a mask shared by the rows, made per row
         elif mask.dim() == 2:
@@ -292,15 +296,16 @@ class AotForward:
                 runner = self.runners[kind] = self.compile_kind(self.model, kind)
             except Exception as err:  # noqa: BLE001  (export or the C++ build failed: this kind runs compiled by dynamo)
                 return self._fall_back(str(kind), f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", kwargs)
-        args: list[Tensor] = [ids.contiguous(), pos.contiguous(), keep.contiguous()]
+        index = lambda t: t.long().contiguous()  # noqa: E731  (no copy when int64 and contiguous)
+        args: list[Tensor] = [index(ids), index(pos), index(keep)]
         if mask is not None:
-            args.append(mask.contiguous())
+            args.append(mask.long().contiguous() if mask_kind == "2d" else mask.contiguous())
         if row_of is not None:
-            args.append(row_of.contiguous())
+            args.append(index(row_of))
         if cache_kind.startswith("ragged"):
-            args += [layers[0].rows.contiguous(), layers[0].cols.contiguous()]
+            args += [index(layers[0].rows), index(layers[0].cols)]
             if take is not None:
-                args.append(take.contiguous())
+                args.append(index(take))
         out = runner(*args, *kv)
         self.calls[str(kind)] = self.calls.get(str(kind), 0) + 1
         if cache_kind.startswith("dense"):
