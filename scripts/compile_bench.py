@@ -5,6 +5,7 @@
         [--no-fit] [--out runs/compile_bench]
     .venv/bin/python scripts/compile_bench.py --calls-only [--mode MODE] [--cpp-wrapper] [--freezing]
     .venv/bin/python scripts/compile_bench.py --split
+    .venv/bin/python scripts/compile_bench.py --mode aot [...]   # the ahead-of-time compiled forward (models/aot.py)
 
 Loads every model of the bench's decoders twice, eagerly and under ``torch.compile`` (``--mode``), and
 decodes the first ``--limit`` test samples per task with each decoder at each batch size on both, chunk by
@@ -23,6 +24,8 @@ a sequence's cache and through a ragged batch of 16 rows (nearly all fixed cost)
 one, which calls the compiled kernels from C++. ``--freezing``: inductor's freezing
 (``torch._inductor.config.freezing``: the weights become constants of the graph, so each model gets graphs
 of its own). ``--split``: where the compiled call's CPU time goes (:func:`split_call`), no eager arm.
+``--mode aot``: the compiled arm is ``--compile aot`` (:mod:`refusion.models.aot`); its kinds compiled in the
+warm-up and during the timed decodes, and any kind that ran through ``torch.compile`` instead, are printed.
 """
 
 from __future__ import annotations
@@ -45,8 +48,16 @@ from refusion.experiments.costmodel import FEATURES, fit, forward_call, measure 
 from refusion.experiments.stats import throughput_ratio  # noqa: E402
 from refusion.experiments.tables import markdown  # noqa: E402
 from refusion.models.backend import Backbone  # noqa: E402
+from refusion.models.loading import COMPILE_MODES  # noqa: E402
 from refusion.models.tokenizer import encode_prompt  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
+
+
+def aot_kinds(backbones) -> tuple[int, dict[str, str]]:
+    """Under ``--compile aot``: the compiled kinds loaded by ``backbones`` so far, and the kinds any of them ran
+    through ``torch.compile`` instead (with why)."""
+    aots = [bb.aot for bb in backbones if bb.aot is not None]
+    return sum(len(a.runners) for a in aots), {k: v for a in aots for k, v in a.fallbacks.items()}
 
 
 def graphs_compiled() -> int:
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="arith,code,facts")
     ap.add_argument("--limit", type=int, default=16, help="test samples per task")
     ap.add_argument("--batch-sizes", default="1,16")
-    ap.add_argument("--mode", default="default", help="torch.compile mode (as --compile)")
+    ap.add_argument("--mode", default="default", choices=COMPILE_MODES, help="--compile's mode for the compiled arm")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds of the forward-cost grid")
     ap.add_argument("--no-fit", action="store_true", help="skip the forward-cost fit")
     ap.add_argument("--fit-clock", choices=["wall", "cpu"], default="wall",
@@ -231,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.calls_only:
         rows = per_call(a.mode, a.call_repeats, a.skip_guards)
         print(f"\none forward, median of {a.call_repeats} interleaved rounds (tiny-ar, compile {a.mode}, "
-              f"{'C++' if a.cpp_wrapper else 'Python'} wrapper{', guards skipped' if a.skip_guards else ''})\n" + calls_table(rows), end="")
+              f"{'C++' if a.cpp_wrapper or a.mode == 'aot' else 'Python'} wrapper{', guards skipped' if a.skip_guards else ''})\n" + calls_table(rows), end="")
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "calls.json").write_text(json.dumps({"mode": a.mode, "cpp_wrapper": a.cpp_wrapper, "skip_guards": a.skip_guards, "rows": rows}, indent=1))
         return 0
@@ -257,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
                 for size in sizes:
                     run_chunk(decoders[arm, r.label, t], prompts[r.model, t][:size])
     warm_s, graphs0 = time.perf_counter() - t0, graphs_compiled()
-    print(f"warm-up {warm_s:.0f} s, {graphs0} graphs compiled", flush=True)
+    compiled_bbs = list(dict.fromkeys(bb for r in runs for t in tasks for bb in backbones_of(decoders["compiled", r.label, t])))
+    kinds0 = aot_kinds(compiled_bbs)[0]
+    print(f"warm-up {warm_s:.0f} s, {graphs0} graphs compiled" + (f", {kinds0} aot kinds loaded" if a.mode == "aot" else ""),
+          flush=True)
 
     chunks = sorted((ti, first, ri, size) for ti in range(len(tasks)) for ri in range(len(runs)) for size in sizes
                     for first in range(0, a.limit, size))
@@ -276,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         cell["differ"] += sum(x != y for x, y in zip(out["eager"][2], out["compiled"][2]))
         cell["samples"] += len(ps)
     recompiles = graphs_compiled() - graphs0
+    kinds1, fallbacks = aot_kinds(compiled_bbs)
 
     rows = []
     for r in runs:
@@ -293,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngraphs compiled during the timed decodes (recompiles): {recompiles}")
     report = {"mode": a.mode, "limit": a.limit, "warm_up_s": warm_s, "graphs_at_warm_up": graphs0,
               "recompiles_timed": recompiles, "rows": rows}
+    if a.mode == "aot":
+        print(f"aot kinds loaded: {kinds0} in the warm-up, {kinds1 - kinds0} during the timed decodes; kinds run through "
+              f"torch.compile instead: {fallbacks or 'none'}")
+        report.update(aot_kinds_warm_up=kinds0, aot_kinds_timed=kinds1 - kinds0, aot_fallbacks=fallbacks)
     if not a.no_fit:
         clock = time.thread_time if a.fit_clock == "cpu" else time.perf_counter
         fits = {arm: fit(measure(bbs[arm, models[0]], repeats=a.repeats, clock=clock), device="cpu, 1 thread",

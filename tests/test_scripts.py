@@ -107,6 +107,22 @@ def test_forward_cost_fits_and_writes_the_cost_model(tmp_path, capsys):
     assert all(f"| {name} |" in out for name in FEATURES)
 
 
+@pytest.mark.slow  # minutes on a busy 2-core machine: the whole grid, twice
+def test_forward_cost_fits_eager_and_aot_in_one_run(monkeypatch, capsys):
+    # the exported programs stand in for AOTInductor's packages (seconds, no C++ build); every grid shape
+    # must run through a compiled kind, none through torch.compile
+    from refusion.experiments.costmodel import FEATURES
+    from refusion.models import aot
+
+    monkeypatch.setattr(aot, "aoti_runner", lambda model, kind: aot.export(model, kind)[1].module())
+    assert run_script("forward_cost.py", "--compile", "aot", "--with-eager", "--fit-repeats", "1", "--warm-calls", "1",
+                      "--no-table") == 0
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in FEATURES) and "| term | eager | compiled | compiled / eager |" in out
+    assert "kinds run through torch.compile: none" in out
+    assert run_script("forward_cost.py", "--with-eager") == 2  # nothing to fit against eager
+
+
 def test_mdm_gap_prints_every_layout(capsys):
     assert run_script("mdm_gap.py", "--n", "2", "--tasks", "facts") == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| facts")]

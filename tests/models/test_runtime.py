@@ -252,9 +252,9 @@ def test_compile_modes_are_checked_naming_the_option(monkeypatch):
     with pytest.raises(RuntimeOptionError) as e:
         Runtime.resolve(compile="fast")
     assert str(e.value) == ("--compile fast: unknown mode; allowed: default, reduce-overhead, max-autotune, "
-                            "max-autotune-no-cudagraphs") and e.value.option == "compile"
+                            "max-autotune-no-cudagraphs, aot") and e.value.option == "compile"
     with pytest.raises(RuntimeOptionError, match=r"^--compile reduce-overhead: .*CUDA only \(device cpu\); "
-                                                 r"allowed here: default, max-autotune-no-cudagraphs$"):
+                                                 r"allowed here: default, max-autotune-no-cudagraphs, aot$"):
         Runtime.resolve(compile="reduce-overhead")
     monkeypatch.setattr(loading, "cpp_compiler", lambda: None)
     with pytest.raises(RuntimeOptionError, match=r"^--compile default: torch.compile on the CPU builds C\+\+ kernels "

@@ -10,7 +10,8 @@ their operations, live in :mod:`refusion.models.kvcache`; :meth:`Backbone.forwar
 
 Two opt-in instruments: ``forward_log`` (a list) receives the :class:`ForwardShape` of every forward
 (what :mod:`refusion.experiments.costmodel` prices), and ``compile`` (a ``torch.compile`` mode) runs the
-model call compiled (:func:`compiled_call`).
+model call compiled (:func:`compiled_call`), or with ``aot`` exported and compiled ahead of time
+(:class:`~refusion.models.aot.AotForward`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,7 +28,8 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from refusion.core import host
 from refusion.core.errors import MaskTokenError
-from refusion.models.loading import resolve_model_path
+from refusion.models.aot import AotForward
+from refusion.models.loading import AOT_MODE, resolve_model_path
 from refusion.models.kvcache import DenseCache
 from refusion.models.ragged_forward import OffsetLayer, install_row_head
 
@@ -138,9 +141,12 @@ class Backbone:
         #: whether a batched forward can run the output head on each row's own positions; its hook goes in
         #: now, before any compiled call (:func:`~refusion.models.ragged_forward.install_row_head` says why)
         self.head_per_row = install_row_head(self.model)
-        #: the ``torch.compile`` mode the forwards run under (None: eager); see :func:`compiled_call`
+        #: the ``--compile`` mode the forwards run under (None: eager); see :func:`compiled_call`, and
+        #: :class:`~refusion.models.aot.AotForward` for ``aot`` (whose other calls run ``default``)
         self.compile = compile
-        self._call = compiled_call(self.model, compile) if compile is not None else self.model
+        self._call = self.model if compile is None else compiled_call(self.model, "default" if compile == AOT_MODE else compile)
+        #: under ``aot``: the compiled forward (its ``fallbacks`` and per-kind ``calls``); else None
+        self.aot = AotForward(self.model, fallback=self._call) if compile == AOT_MODE else None
         self.tokenizer = tokenizer
         #: name of the model family (see :mod:`refusion.models.families`), when loaded through one
         self.family = family
@@ -276,7 +282,8 @@ class Backbone:
         if self.time_forwards:
             self.synchronize()
             t0 = self.forward_clock()
-        out = self._call(
+        call = self._call if self.aot is None else partial(self.aot, keep_kv=keep_kv)
+        out = call(
             input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
             logits_to_keep=rows,
         )

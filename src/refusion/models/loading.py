@@ -73,9 +73,11 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
-#: ``torch.compile`` modes of ``--compile`` (``default``: inductor without CUDA graphs; the ``reduce-overhead``
-#: and ``max-autotune`` modes add CUDA graphs, so they need CUDA)
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: modes of ``--compile``: ``torch.compile``'s (``default``: inductor without CUDA graphs; the ``reduce-overhead``
+#: and ``max-autotune`` modes add CUDA graphs, so they need CUDA) and ``aot``, the forward exported and compiled
+#: ahead of time by AOTInductor (:mod:`refusion.models.aot`), on one device
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "aot")
+AOT_MODE = "aot"
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
@@ -140,10 +142,14 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
-def _check_compile(value: str, device: str, on_cuda: bool) -> str:
-    """A ``torch.compile`` mode this machine can run; else a :class:`RuntimeOptionError` naming ``--compile``."""
+def _check_compile(value: str, device: str, on_cuda: bool, device_map: Any = None) -> str:
+    """A ``--compile`` mode this machine can run; else a :class:`RuntimeOptionError` naming ``--compile``."""
     if value not in COMPILE_MODES:
         raise RuntimeOptionError("compile", value, f"unknown mode; allowed: {', '.join(COMPILE_MODES)}")
+    if value == AOT_MODE and device_map is not None:
+        raise RuntimeOptionError("compile", value, "the ahead-of-time compiled forward runs a model on one device, "
+                                                   "not spread by --device-map; allowed with --device-map: "
+                                                   + ", ".join(m for m in COMPILE_MODES if m != AOT_MODE))
     here = [m for m in COMPILE_MODES if on_cuda or m not in CUDA_GRAPH_MODES]
     if value in CUDA_GRAPH_MODES and not on_cuda:
         raise RuntimeOptionError("compile", value, f"this mode records CUDA graphs, which run on CUDA only (device "
@@ -178,7 +184,8 @@ class Runtime(BaseModel):
       ``flash_attn`` package, CUDA and float16 / bfloat16).
     - ``device_map``: accelerate's placement over several devices (``auto``, ``balanced``, ...,
       a device, or a mapping module name -> device), for models larger than one device; None: one device.
-    - ``compile``: a ``torch.compile`` mode (:data:`COMPILE_MODES`) for the model's forward, or None (eager);
+    - ``compile``: a ``--compile`` mode (:data:`COMPILE_MODES`: ``torch.compile``'s, or ``aot``) for the
+      model's forward, or None (eager);
       left out of the serialised form when None, so records made before the option keep their keys.
     """
 
@@ -188,7 +195,7 @@ class Runtime(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     device_map: str | dict[str, Any] | None = None
-    compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "aot"] | None = None
     _attn_requested: bool = PrivateAttr(default=False)
 
     @model_serializer(mode="wrap")
@@ -227,7 +234,7 @@ class Runtime(BaseModel):
                 raise RuntimeOptionError("attn_implementation", attn, "flash attention runs in float16 or bfloat16 "
                                          f"only (dtype float32); use --dtype bfloat16, or one of: {where}")
         if compile is not None:
-            compile = _check_compile(str(compile), device, on_cuda)
+            compile = _check_compile(str(compile), device, on_cuda, device_map)
         runtime = cls(device=device, dtype=name, attn_implementation=attn, device_map=device_map, compile=compile)
         runtime._attn_requested = attn_implementation is not None
         return runtime
@@ -294,7 +301,8 @@ def add_runtime_args(p: argparse.ArgumentParser, device_help: str = "cpu, cuda o
                         "or a JSON mapping of module name -> device (default: the whole model on --device)")
     p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                    help="run the model forward through torch.compile: default (the mode without a value), "
-                        "max-autotune-no-cudagraphs, or on CUDA reduce-overhead / max-autotune (CUDA graphs); "
+                        "max-autotune-no-cudagraphs, or on CUDA reduce-overhead / max-autotune (CUDA graphs); aot: "
+                        "exported and compiled ahead of time by AOTInductor (docs/profile.md); "
                         "needs a C++ compiler on the CPU (default: eager)")
 
 
