@@ -16,6 +16,7 @@ from refusion.cli import main
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--max-batch", "0"], "--max-batch"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--set", "slot_size=4"], "slot_size"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
+    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--engine-process", "--replicas", "2"], "--engine-process"),
     (["loadtest", "--url", "http://192.0.2.1:8000"], "loopback"),
     (["loadtest", "--url", "ftp://127.0.0.1:8000"], "--url"),
 ])
@@ -58,7 +59,10 @@ def test_a_decoder_whose_batch_is_its_own_is_refused():
 
 
 @pytest.mark.slow
-def test_serve_exits_cleanly_on_sigint():
+@pytest.mark.parametrize("extra", [[], ["--engine-process"]])
+def test_serve_exits_cleanly_on_sigint(extra):
+    """A terminal's Ctrl-C (SIGINT to the process group: with --engine-process, to both processes) ends the
+    server cleanly."""
     import os
     import signal
     import subprocess
@@ -66,13 +70,15 @@ def test_serve_exits_cleanly_on_sigint():
 
     pytest.importorskip("uvicorn")
     proc = subprocess.Popen([sys.executable, "-m", "refusion.cli", "serve", "--model", "tiny-ar", "--decoder", "ar",
-                             "--port", "0", "--threads", "1", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--port", "0", "--threads", "1", "--log-level", "warning", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert proc.stdout.readline().startswith("serving ")
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    with pytest.raises(ProcessLookupError):  # no process of the server's group is left
+        os.killpg(proc.pid, 0)
