@@ -363,10 +363,7 @@ def test_a_model_without_chat_template_refuses_chat_but_serves_completions():
 
 def endless(**settings) -> BackgroundServer:
     """An ar server whose model never ends a text (no EOS ids): a decode runs its whole max_tokens."""
-    model, config = SERVED["ar"]
-    bb = Backbone.from_pretrained(model)
-    bb.eos_ids = set()
-    return BackgroundServer(create_state(bb, config, model, **settings)).start()
+    return start(*SERVED["ar"], load=endless_backbone, **settings)
 
 
 def test_a_client_that_hangs_up_leaves_the_batch():
@@ -429,9 +426,11 @@ def test_a_full_queue_answers_429():
     assert full.value.status == 429 and "--max-queue" in full.value.message
 
 
-def test_shutdown_finishes_what_is_queued_and_running_then_refuses():
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_shutdown_finishes_what_is_queued_and_running_then_refuses(process):
+    """... then, with --engine-process, the engine process exits."""
     model, config = SERVED["ar"]
-    srv = endless(max_batch=2, shutdown_grace_s=30)
+    srv = (endless_process if process else endless)(max_batch=2, shutdown_grace_s=30)
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     engine = srv.state.engine
 
@@ -455,6 +454,8 @@ def test_shutdown_finishes_what_is_queued_and_running_then_refuses():
         bb.eos_ids = eos
     with pytest.raises(OSError):
         raw(srv.url, "GET", "/health")
+    if process:
+        assert not engine.process.is_alive() and engine.process.exitcode == 0
 
 
 def test_loadtest_reports_delivery_and_matches_offline(server):
@@ -647,33 +648,6 @@ def test_a_request_over_its_timeout_gets_a_504_from_the_engine_process():
         assert wait_until(lambda: srv.state.engine.counts() == (0, 0))
     finally:
         srv.stop()
-
-
-def test_shutdown_finishes_what_is_queued_and_running_then_ends_the_engine_process():
-    model, config = SERVED["ar"]
-    srv = endless_process(max_batch=2, shutdown_grace_s=30)
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    engine = srv.state.engine
-
-    def ask(q):
-        return c.completions.create(model=model, prompt=q, max_tokens=120).model_extra["refusion"]["token_ids"]
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(ask, q) for q in QUERIES[:4]]
-        assert wait_until(lambda: sum(engine.counts()) == 4, 30)  # every request is in, some still queued
-        running, queued = engine.counts()
-        assert running + queued == 4 and queued >= 2
-        srv.stop()
-        served = [f.result() for f in futures]
-    bb = offline_backbone(model)
-    eos, bb.eos_ids = bb.eos_ids, set()
-    try:
-        assert served == [offline(model, config, bb.tokenizer.encode(q), gen_length=120) for q in QUERIES[:4]]
-    finally:
-        bb.eos_ids = eos
-    assert not engine.process.is_alive() and engine.process.exitcode == 0
-    with pytest.raises(OSError):
-        raw(srv.url, "GET", "/health")
 
 
 def test_the_engine_process_dying_fails_open_requests_with_500_and_new_ones_with_503(capfd):
