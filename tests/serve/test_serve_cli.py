@@ -67,6 +67,8 @@ def test_serve_exits_cleanly_on_sigint(extra):
     import signal
     import subprocess
     import sys
+    import time
+    import urllib.request
 
     pytest.importorskip("uvicorn")
     proc = subprocess.Popen([sys.executable, "-m", "refusion.cli", "serve", "--model", "tiny-ar", "--decoder", "ar",
@@ -74,11 +76,23 @@ def test_serve_exits_cleanly_on_sigint(extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        assert proc.stdout.readline().startswith("serving ")
+        line = proc.stdout.readline()
+        assert line.startswith("serving ")
+        url, end = line.rsplit(" ", 1)[-1].strip(), time.monotonic() + 30
+        while True:  # up: the signal reaches uvicorn's handlers (and, with --engine-process, both processes)
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < end
+                time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
-    with pytest.raises(ProcessLookupError):  # no process of the server's group is left
-        os.killpg(proc.pid, 0)
+    end = time.monotonic() + 10  # no process of the server's group is left (multiprocessing's resource tracker
+    with pytest.raises(ProcessLookupError):  # ends once the server has: its pipe closes)
+        while time.monotonic() < end:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)

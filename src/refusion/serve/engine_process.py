@@ -28,6 +28,7 @@ so. Metrics: ``/metrics`` adds the engine process's (a query per scrape) to the 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import itertools
@@ -208,11 +209,12 @@ class EngineProcess:
         self._stopped = threading.Event()
         self.dead: str | None = None  # why the engine process is gone, once it is
         self._reader = threading.Thread(target=self._read, name="refusion-engine-reader", daemon=True)
+        atexit.register(self._stop_at_exit)
 
     # ------------------------------------------------------------------ Engine's interface
     def start(self) -> None:
         """Start the reader thread (once)."""
-        if not self._reader.is_alive() and not self._stopped.is_set():
+        if self._reader.ident is None:
             self._reader.start()
 
     def submit(self, job: RemoteJob) -> None:
@@ -258,16 +260,20 @@ class EngineProcess:
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Shut the engine process down as :meth:`Engine.stop` does (what still runs after ``grace_s`` gets a
-        503) and wait for it to exit."""
+        503) and wait for it to exit (killed after ``grace_s`` + 60 s); again: nothing."""
         self._accepting = False
-        if self.dead is None:
+        if self.process.is_alive():
             self._send(("stop", grace_s), quiet=True)
-            self._stopped.wait(grace_s + 60)
-        self.process.join(timeout=30)
+            self.process.join(timeout=grace_s + 60)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
-        self._stopped.set()
+
+    def _stop_at_exit(self) -> None:
+        """At the interpreter's exit (before multiprocessing's own handler, which would wait forever for a
+        process that ignores SIGTERM): stop the engine process if nobody did."""
+        if self.process.is_alive():
+            self.stop(0.0)
 
     # ------------------------------------------------------------------ queries and metrics
     def query(self) -> dict | None:
