@@ -197,8 +197,9 @@ def test_serve_bench_runs_the_goal_and_the_ratio_on_a_small_load(tmp_path, capsy
     code = run_script("serve_bench.py", "--rows", "block", "--parts", "ratio,goal", "--limit", "16", "--rounds", "2",
                       "--goal-requests", "20", "--compare-serve-args=--engine-process", "--out", str(tmp_path))
     out = capsys.readouterr().out
-    assert code == 0 and "NOT MET" not in out and out.count("MET: ") == 6
     result = json.loads((tmp_path / "serve_bench.json").read_text())[0]
+    # every verdict met; the memory one needs a run of 2 s or more (an RSS sample in each half)
+    assert code == 0 and "NOT MET" not in out and out.count("MET: ") == len(result["verdicts"]) >= 5
     assert result["goal"]["disconnected"] == 2 and result["goal"]["offline"]["differ"] == 0
     assert result["ratio"]["same_tokens"] and result["ratio"]["ratio_low"] <= result["ratio"]["ratio"]
     other = result["ratio_compare"]  # the second server, --engine-process, in the same rounds
