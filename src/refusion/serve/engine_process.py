@@ -90,8 +90,11 @@ class _PipeLoop:
 
 
     def send(self, message: tuple) -> None:
-        with self.lock:
-            self.conn.send(message)
+        try:
+            with self.lock:
+                self.conn.send(message)
+        except (OSError, ValueError):  # the HTTP process is gone: nobody listens (the main thread stops us)
+            pass
 
     def call_soon_threadsafe(self, callback, *args) -> None:
         # Engine._deliver: (_put_all, [(put, event), ...]); LoopSink.__call__ (a queued job's event): (put, event)
@@ -116,8 +119,14 @@ def engine_main(conn, spec: EngineSpec) -> None:
     except BaseException as e:  # noqa: BLE001  (reported to the HTTP process, which exits with it)
         out.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    out.send(("ready", {"tokenizer": backbone.tokenizer, "eos_ids": set(backbone.eos_ids),
-                        "max_positions": backbone.max_positions}))
+    try:
+        with out.lock:
+            conn.send(("ready", {"tokenizer": backbone.tokenizer, "eos_ids": set(backbone.eos_ids),
+                                 "max_positions": backbone.max_positions}))
+    except Exception as e:  # noqa: BLE001  (e.g. a tokenizer that does not pickle)
+        out.send(("failed", f"its tokenizer, eos ids and positions do not reach the HTTP process: "
+                            f"{type(e).__name__}: {e}"))
+        return
     engine.start()
     jobs: dict[int, Job] = {}
     while True:
@@ -229,7 +238,12 @@ class EngineProcess:
                                    f"(--max-batch {self.max_batch}, --max-queue {self.max_queue}); retry later",
                                    "rate_limit_error")
             self._jobs[job.id] = job
-        self._send(("submit", job.id, *job.payload))
+        try:
+            self._send(("submit", job.id, *job.payload))
+        except RequestError:
+            with self._lock:
+                self._jobs.pop(job.id, None)
+            raise
 
     def new_job(self, pool: DecoderPool, prompt_ids: list[int], req, sink: LoopSink, deadline: float,
                 stream_interval: int) -> RemoteJob:
