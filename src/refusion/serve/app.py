@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` tokenise the prompt (chat: the tokenizer's chat
 template; a 400 when it has none), build the request's decoder (:class:`~refusion.serve.options.DecoderPool`)
-and queue a :class:`~refusion.serve.engine.Job`. A streamed request (``stream: true``) answers with
+and queue a :class:`~refusion.serve.engine.Job` (:meth:`ServeState.new_job`; with the engine in a process of
+its own, :mod:`refusion.serve.engine_process`'s state checks the options here and sends the job there). A streamed request (``stream: true``) answers with
 server-sent events: one chunk per piece of text that became final (:class:`~refusion.serve.text.FinalText`),
 then a chunk with the ``finish_reason``, then ``data: [DONE]``; a request without ``stream`` answers once.
 Both carry the extension ``refusion: {"token_ids": [...]}`` (a stream: the tokens committed since the last
