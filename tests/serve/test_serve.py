@@ -140,11 +140,12 @@ def test_a_stream_sends_the_final_text_in_pieces(server, client):
     assert len({c.id for c in chunks}) == 1
 
 
-def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_concurrent_requests_with_their_own_options_each_decode_as_offline(process):
     """Requests that differ in decoder options, max_tokens and seed share the running batch; each is
-    its own offline decode. Every shipped decoder kind."""
+    its own offline decode. Every shipped decoder kind, its engine in a thread and in a process."""
     for name, (model, config) in SERVED.items():
-        srv = start(model, config, max_batch=4, max_queue=16)
+        srv = start(model, config, process=process, max_batch=4, max_queue=16)
         try:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             extra = {"refusion": [{"slot_size": 4}, {}], "llada": [{"block_length": 4}, {}],
@@ -163,6 +164,9 @@ def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
             for (q, options, n), ids in zip(jobs, served):
                 assert ids == offline(model, config, chat_ids(model, q), gen_length=n, **options), (name, options, n)
             engine, end = srv.state.engine, time.monotonic() + 10
+            if process:  # the cache is the engine process's: its counts
+                assert wait_until(lambda: engine.counts() == (0, 0))
+                continue
             caches = [getattr(engine.cache, side) for side in ("target", "drafter")] if name == "speculative" \
                 else [engine.cache]
             while (engine.counts() != (0, 0) or any(c.lengths for c in caches)) and time.monotonic() < end:
