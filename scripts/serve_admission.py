@@ -6,13 +6,14 @@ with all the requests queued at once, admitting at once (``admit_min`` 1), in gr
 30: no deadline), and at once with the prompt's call inside the running batch's (``separate_prefill``
 off). Per mode: tokens/s, model calls and tokens fed (padding included); ``--rounds`` interleaved rounds,
 one torch thread, with the process's CPU time (which other work on a busy machine inflates less than
-wall time), and the (row, key) pairs a model call attends on average (every row's keys padded to the
-longest row's: sequences at different stages make a call attend more). The admission modes make one model
-call per request group (``call_cost_tokens`` None, as
-``refusion serve --call-cost-tokens off``): the admission policy alone; then groups of 8 with calls by
-width (``call_cost_tokens`` 100, the CPU default), and 16 clients each sending its next request when its
-answer ends (as ``refusion loadtest --concurrency 16``; default admission), with and without calls by
-width.
+wall time), and the (row, key) and query-key pairs a model call attends on average (every row's keys
+padded to the longest row's and its queries to the widest row's: sequences at different stages make a
+call attend more). The admission modes make one model call per request group (``call_cost_tokens`` None,
+as ``refusion serve --call-cost-tokens off``): the admission policy alone; then groups of 8 with calls by
+width (the call price's key and pair terms 0) and by width and cached length (the CPU default,
+:data:`~refusion.serve.engine.CALL_PRICE_CPU`), and 16 clients each sending its next request when its
+answer ends (as ``refusion loadtest --concurrency 16``; default admission), one call per group, by
+width, and by width and cached length.
 
     python scripts/serve_admission.py --row refusion --rounds 2
     python scripts/serve_admission.py --row ar --rounds 1 --limit 128
@@ -31,7 +32,8 @@ from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
 from refusion.models.kvcache import RaggedCache
 from refusion.models.tokenizer import encode_prompt
-from refusion.serve.engine import CALL_COST_TOKENS_CPU, Engine, Job
+from refusion.core.loop import CallPrice
+from refusion.serve.engine import CALL_PRICE_CPU, Engine, Job
 from refusion.tasks import get_task
 
 
@@ -57,7 +59,7 @@ def main() -> None:
             tokens += sum(len(r.token_ids) for r in results)
         return tokens / wall
 
-    def engine(admit_min: int, separate_prefill: bool = True, call_cost_tokens: float | None = None,
+    def engine(admit_min: int, separate_prefill: bool = True, call_cost_tokens: CallPrice | None = None,
                clients: int = 0) -> float:
         """All requests queued at once; or ``clients`` > 0 clients each sending its next request when its
         previous answer ends (as ``refusion loadtest`` at that concurrency)."""
@@ -101,12 +103,13 @@ def main() -> None:
         e.stop()
         return tokens[0] / wall
 
-    calls: list[tuple[int, int]] = []  # (rows, key width) of each batched model call
+    calls: list[tuple[int, int, int]] = []  # (rows, width, key width) of each batched model call
     forward = RaggedCache.forward
 
     def recorded(cache, requests):  # the keys a call attends: every row's padded to the longest row's
         rows = [r for request in requests for r in request.cache.rows]
-        calls.append((len(rows), max(cache.lengths[r] for r in rows) + max(q.ids.shape[-1] for q in requests)))
+        width = max(q.ids.shape[-1] for q in requests)
+        calls.append((len(rows), width, max(cache.lengths[r] for r in rows) + width))
         return forward(cache, requests)
 
     RaggedCache.forward = recorded
@@ -115,18 +118,24 @@ def main() -> None:
         nfe, fed, cpu = bb.nfe, bb.tokens_in, time.process_time()
         calls.clear()
         rate = run()
-        pairs = sum(rows * width for rows, width in calls) / max(1, len(calls))
+        pairs = sum(rows * keys for rows, _, keys in calls) / max(1, len(calls))
+        queries = sum(rows * width * keys for rows, width, keys in calls) / max(1, len(calls))
         return (f"{label} {rate:.0f} tok/s, {bb.nfe - nfe} calls, {bb.tokens_in - fed} tokens fed, "
-                f"{pairs:.0f} (row, key) pairs per call, {time.process_time() - cpu:.2f} CPU s")
+                f"{pairs:.0f} (row, key) pairs per call, {queries:.0f} query-key pairs per call, "
+                f"{time.process_time() - cpu:.2f} CPU s")
 
+    by_width = CallPrice(CALL_PRICE_CPU.call)  # the key and pair terms 0: calls by width alone
     offline()  # warm-up
     for _ in range(args.rounds):
         modes = [("batch-bench@16", offline), ("at once", lambda: engine(1)), ("groups of 8", lambda: engine(8)),
                  ("groups of 16", lambda: engine(16)),
                  ("at once, prompt in the batch's call", lambda: engine(1, False)),
-                 ("groups of 8, calls by width", lambda: engine(8, call_cost_tokens=CALL_COST_TOKENS_CPU)),
+                 ("groups of 8, calls by width", lambda: engine(8, call_cost_tokens=by_width)),
+                 ("groups of 8, calls by width and cached length", lambda: engine(8, call_cost_tokens=CALL_PRICE_CPU)),
                  ("16 clients", lambda: engine(8, clients=16)),
-                 ("16 clients, calls by width", lambda: engine(8, call_cost_tokens=CALL_COST_TOKENS_CPU, clients=16))]
+                 ("16 clients, calls by width", lambda: engine(8, call_cost_tokens=by_width, clients=16)),
+                 ("16 clients, calls by width and cached length",
+                  lambda: engine(8, call_cost_tokens=CALL_PRICE_CPU, clients=16))]
         print(" | ".join(counted(label, run) for label, run in modes), f"| load average {os.getloadavg()}",
               flush=True)
 

@@ -8,8 +8,11 @@ mode decodes every prompt once; ``--rounds`` interleaved rounds (the order rever
 ``offline-loop``    the same in a thread while the main thread runs an asyncio event loop as a server's
                     does: 16 handlers each checking every 0.2 s, and one ``call_soon_threadsafe`` per commit
                     (every commit wakes the loop, which takes the interpreter from the decoding thread);
-``engine``          the serving engine (``serve/engine.py``, max batch 16) with 16 client threads, each
+``engine``          the serving engine (``serve/engine.py``, max batch 16, ``--call-cost-tokens`` as
+                    ``refusion serve`` takes it: the CPU's price by default) with 16 client threads, each
                     sending its next request when its answer ends: the served arrival pattern, no HTTP;
+``engine-width``    the same with calls split by width alone (the call price's key and pair terms 0: the
+                    policy before calls by cached length);
 ``server``          the same engine inside the HTTP server (in this process, uvicorn on its own thread),
                     driven by ``refusion loadtest --concurrency 16`` in a subprocess.
 
@@ -17,8 +20,15 @@ Per mode, on the decoding thread (the engine thread for the last two): its CPU s
 user and system; the engine's ``refusion_engine_cpu_seconds_total`` for ``server``), minor page faults,
 model calls, tokens fed (padding included), and its CPU time split into the model's forward
 (``Backbone.forward``), the batch cache's work around it (``RaggedCache.forward`` less the model: masks,
-row gathers, KV copies) and the rest (the decoders' loops, the engine's bookkeeping). Prints one line per
-mode and round and a table of the medians over the rounds, with each mode's CPU over ``offline``'s.
+row gathers, KV copies) and the rest (the decoders' loops, the engine's bookkeeping). Per model call of
+the batch cache, what its attention spans: (row, key) pairs (every row's keys padded to the call's key
+width, its longest row's cached length plus the tokens fed) and query-key pairs (every fed position, padding
+included, against that width), each beside what the rows' own lengths need (row r: ``fed_r`` queries
+over its own ``length_r + fed_r`` keys), over every batch-cache call (a speculative decode's drafter's
+too); and the seconds the padding costs by the cost model's CPU figures (the pooled cold fit of
+docs/profile.md: 1.24 us per (row, key) pair, 65 ns per query-key pair: ``CALL_PRICE_CPU`` and
+``TOKEN_S_CPU`` of :mod:`refusion.serve.engine`). Prints one line per mode and round and a table of
+the medians over the rounds, with each mode's CPU over ``offline``'s.
 
     python scripts/serve_overhead.py --row ar --rounds 5
     python scripts/serve_overhead.py --row block --modes offline,engine,server --rounds 5
@@ -36,20 +46,39 @@ import sys
 import threading
 import time
 
-from refusion.core.config import build_decoder
+from refusion.core.config import ConfigError, build_decoder
+from refusion.core.loop import CallPrice
 from refusion.core.threads import set_threads
 from refusion.experiments import tables
 from refusion.experiments.bench import load_bench_config
 from refusion.models.backend import Backbone
 from refusion.models.kvcache import RaggedCache
 from refusion.models.tokenizer import encode_prompt
-from refusion.serve.engine import Engine, Job
+from refusion.serve.cli import parse_call_cost_tokens
+from refusion.serve.engine import CALL_PRICE_CPU, TOKEN_S_CPU, Engine, Job, call_price
 from refusion.serve.server import BackgroundServer, create_state
 from refusion.tasks import get_task
 
-MODES = ("offline", "offline-thread", "offline-loop", "engine", "server")
+MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server")
 #: CPU seconds of the decoding thread inside each timed function (one decoding thread runs at a time)
 spent = {"model": 0.0, "cache": 0.0}
+#: per batch-cache model call: (row, key) pairs padded and the rows' own, query-key pairs padded and own
+spans: list[tuple[int, int, int, int]] = []
+
+
+def record_spans() -> None:
+    """Wrap ``RaggedCache.forward`` so that each call's attention span goes to :data:`spans`."""
+    inner = RaggedCache.forward
+
+    def wrapper(cache, requests):
+        fed = [(row, request.ids.shape[-1]) for request in requests for row in request.cache.rows]
+        width = max(n for _, n in fed)  # every row is padded to it
+        keys = max(cache.lengths[row] for row, _ in fed) + width  # every row's keys are padded to it
+        own = [cache.lengths[row] + n for row, n in fed]
+        spans.append((len(fed) * keys, sum(own), len(fed) * width * keys, sum(n * k for (_, n), k in zip(fed, own))))
+        return inner(cache, requests)
+
+    RaggedCache.forward = wrapper
 
 
 def timed(cls, name: str, key: str) -> None:
@@ -88,10 +117,16 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=32, help="prompts of the task (default 32)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)} (default all)")
+    ap.add_argument("--call-cost-tokens", default="auto", metavar="N[,KEY,PAIR]|auto",
+                    help="mode engine's call price, as refusion serve takes it (default auto: the CPU's)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if "offline" not in modes or set(modes) - set(MODES):
         ap.error(f"--modes: of {', '.join(MODES)}, offline included; got {args.modes!r}")
+    try:
+        price = call_price(parse_call_cost_tokens(args.call_cost_tokens), "cpu")
+    except ConfigError as e:
+        ap.error(str(e))
     set_threads(1)
     bench, task = load_bench_config(None), get_task(args.task)
     bb = Backbone.from_pretrained(bench.models[args.row])
@@ -100,6 +135,7 @@ def main() -> None:
     prompts = [encode_prompt(bb.tokenizer, ex.query) for ex in task.examples("test", args.limit)]
     timed(Backbone, "forward", "model")
     timed(RaggedCache, "forward", "cache")
+    record_spans()
 
     def batches(on_commit=None) -> dict:
         u0, s0, f0 = thread_usage()
@@ -131,7 +167,7 @@ def main() -> None:
 
         return asyncio.run(serve())
 
-    def engine() -> dict:
+    def engine(price=price) -> dict:
         usage: dict = {}
 
         class Measured(Engine):
@@ -141,7 +177,7 @@ def main() -> None:
                 u1, s1, f1 = thread_usage()
                 usage.update(user=u1 - u0, sys=s1 - s0, faults=f1 - f0)
 
-        e = Measured(decoder, max_batch=16, max_queue=len(prompts))
+        e = Measured(decoder, max_batch=16, max_queue=len(prompts), call_cost_tokens=price)
         pending, lock = iter(prompts), threading.Lock()
 
         def client() -> None:
@@ -182,7 +218,7 @@ def main() -> None:
         return {"user": server.state.engine.metrics.value(metric) - cpu, "sys": 0.0, "faults": None}
 
     run = {"offline": batches, "offline-thread": lambda: in_thread(batches), "offline-loop": with_loop,
-           "engine": engine, "server": served}
+           "engine": engine, "engine-width": lambda: engine(CallPrice(CALL_PRICE_CPU.call)), "server": served}
     batches()  # warm-up
     for m in modes[1:]:
         run[m]()
@@ -191,10 +227,16 @@ def main() -> None:
         for m in modes if r % 2 == 0 else modes[::-1]:
             nfe, fed = bb.nfe, bb.tokens_in
             spent.update(model=0.0, cache=0.0)
+            spans.clear()
             x = run[m]()
             cpu = x["user"] + x["sys"]
             x.update(cpu=cpu, calls=bb.nfe - nfe, fed=bb.tokens_in - fed, model=spent["model"],
                      cache=spent["cache"] - spent["model"], rest=cpu - spent["cache"])
+            keys, own_keys, pairs, own_pairs = (sum(s[k] for s in spans) for k in range(4))
+            x.update(cache_calls=len(spans), keys=keys / max(1, len(spans)), own_keys=own_keys / max(1, len(spans)),
+                     pairs=pairs / max(1, len(spans)), own_pairs=own_pairs / max(1, len(spans)),
+                     padding_s=TOKEN_S_CPU * (CALL_PRICE_CPU.key * (keys - own_keys)
+                                              + CALL_PRICE_CPU.pair * (pairs - own_pairs)))
             rows[m].append(x)
             print(f"round {r} {m}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in x.items()), f"| load {os.getloadavg()[0]:.2f}", flush=True)
@@ -213,12 +255,15 @@ def main() -> None:
                       f"{statistics.median(faults):.0f}" if faults else "-", f"{med(m, 'calls'):.0f}",
                       f"{med(m, 'fed'):.0f}", f"{1e3 * med(m, 'model') / med(m, 'calls'):.2f}",
                       f"{med(m, 'cache'):.3f}", f"{med(m, 'rest'):.3f}",
+                      f"{med(m, 'keys'):.0f} / {med(m, 'own_keys'):.0f}",
+                      f"{med(m, 'pairs'):.0f} / {med(m, 'own_pairs'):.0f}", f"{med(m, 'padding_s'):.2f}",
                       f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})"])
     print(f"{args.row} on {args.task}, {len(prompts)} prompts, {args.rounds} rounds (medians); load average "
           f"{os.getloadavg()[0]:.2f}")
     print(tables.markdown(["mode", "thread CPU s", "of it system s", "minor faults", "model calls", "tokens fed",
                            "model ms per call", "cache s (less the model)", "rest s",
-                           "CPU over offline's (min - max)"], table))
+                           "(row, key) pairs per call: padded / own", "query-key pairs per call: padded / own",
+                           "padding's model s (cost model)", "CPU over offline's (min - max)"], table))
 
 
 if __name__ == "__main__":

@@ -315,21 +315,29 @@ def test_cost_model_bound_prices_a_grid_against_refusions_floor(tmp_path, capsys
 
 def test_serve_overhead_splits_each_modes_cpu_time(capsys):
     """The figures of docs/serving.md's "Where the engine thread's time goes": every mode decodes the same
-    prompts (offline and in a thread: the same calls and tokens), its CPU time split into model, cache, rest."""
+    prompts (offline and in a thread: the same calls and tokens), its CPU time split into model, cache, rest;
+    each call's attention span padded and the rows' own."""
     assert run_script("serve_overhead.py", "--row", "block", "--limit", "4", "--rounds", "1",
-                      "--modes", "offline,offline-thread,engine,server") == 0
+                      "--modes", "offline,offline-thread,engine,engine-width,server") == 0
     rows = {r[0]: r for r in (line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()
                                if line.startswith("| ") and not line.startswith("| mode"))}
     rows = {k.strip(): [c.strip() for c in v] for k, v in rows.items()}
-    assert list(rows) == ["offline", "offline-thread", "engine", "server"]
+    assert list(rows) == ["offline", "offline-thread", "engine", "engine-width", "server"]
     assert rows["offline"][4:6] == rows["offline-thread"][4:6]  # model calls, tokens fed
+    assert rows["offline"][9:12] == rows["offline-thread"][9:12]  # the same calls' spans and padding
     assert all(int(r[4]) > 0 and float(r[1]) > 0 and float(r[6]) > 0 for r in rows.values())
-    assert rows["offline"][9].startswith("1.000")
+    for r in rows.values():
+        for padded, own in (map(float, r[k].split(" / ")) for k in (9, 10)):
+            assert padded >= own > 0
+        assert float(r[11]) >= 0
+    assert rows["offline"][12].startswith("1.000")
 
 
 def test_serve_admission_measures_every_mode_against_batch_bench(capsys):
     assert run_script("serve_admission.py", "--row", "block", "--limit", "4", "--rounds", "1") == 0
     out = capsys.readouterr().out
     modes = [part.split(" tok/s")[0].rsplit(" ", 1)[0].strip() for part in out.splitlines()[-1].split(" | ")[:-1]]
-    assert modes[0] == "batch-bench@16" and "16 clients, calls by width" in modes and len(modes) == 8
-    assert all(" calls, " in part and "(row, key) pairs per call" in part for part in out.splitlines()[-1].split(" | ")[:-1])
+    assert modes[0] == "batch-bench@16" and "16 clients, calls by width and cached length" in modes
+    assert len(modes) == 10
+    assert all(" calls, " in part and "(row, key) pairs per call" in part and "query-key pairs per call" in part
+               for part in out.splitlines()[-1].split(" | ")[:-1])

@@ -17,12 +17,42 @@ from refusion.cli import main
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--set", "slot_size=4"], "slot_size"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--engine-process", "--replicas", "2"], "--engine-process"),
+    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "100,0.01"], "--call-cost-tokens"),
+    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "100,-1,0"], "--call-cost-tokens"),
+    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "cheap"], "--call-cost-tokens"),
     (["loadtest", "--url", "http://192.0.2.1:8000"], "loopback"),
     (["loadtest", "--url", "ftp://127.0.0.1:8000"], "--url"),
 ])
 def test_bad_flags_are_refused_naming_them(args, field, capsys):
     assert main(args) == 2
     assert field in capsys.readouterr().err
+
+
+def test_the_call_price_by_flag_and_device():
+    """``--call-cost-tokens``: auto is the CPU's price there and off elsewhere; N alone keeps the device's key
+    and pair terms (the CPU's, or none); three numbers set all; the engine names the flag on a bad price."""
+    from refusion.core.loop import CallPrice
+    from refusion.serve.cli import parse_call_cost_tokens
+    from refusion.serve.engine import CALL_PRICE_CPU, call_price
+
+    assert call_price(parse_call_cost_tokens("auto"), "cpu") == CALL_PRICE_CPU
+    assert call_price(parse_call_cost_tokens("auto"), "cuda") is None
+    assert call_price(parse_call_cost_tokens("off"), "cpu") is None
+    assert call_price(parse_call_cost_tokens("60"), "cpu") == CallPrice(60.0, CALL_PRICE_CPU.key, CALL_PRICE_CPU.pair)
+    assert call_price(parse_call_cost_tokens("60"), "cuda") == CallPrice(60.0)
+    assert call_price(parse_call_cost_tokens("60,0.5,0.25"), "cuda") == CallPrice(60.0, 0.5, 0.25)
+    assert CALL_PRICE_CPU.key > 0 and CALL_PRICE_CPU.pair > 0
+
+
+def test_the_engine_names_the_flag_of_a_bad_price():
+    from refusion.core.config import build_decoder
+    from refusion.models.backend import Backbone
+    from refusion.serve.engine import Engine
+
+    decoder = build_decoder(Backbone.from_pretrained("tiny-ar"), {"decoder": "ar", "gen_length": 8})
+    for bad in (-1.0, (1.0, -2.0, 0.0), (1.0, 2.0)):
+        with pytest.raises(ValueError, match="--call-cost-tokens"):
+            Engine(decoder, call_cost_tokens=bad)
 
 
 def test_a_decoder_whose_batch_is_its_own_is_refused():

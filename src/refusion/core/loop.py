@@ -90,6 +90,11 @@ class ForwardRequest:
     attention: Attention = CAUSAL
     group: str | None = None
 
+    def cached(self) -> int:
+        """The keys its rows hold before it (its cache's longest row): its key length is this plus its width,
+        and a batched call pads every row's keys to its longest row's plus the call's width."""
+        return self.cache.length()
+
     def columns(self) -> list[int]:
         """The fed positions whose logits the request reads, as host integers."""
         T = self.ids.shape[-1]
@@ -195,37 +200,80 @@ def rows(request: ForwardRequest) -> int:
 SplitPolicy = Callable[[list["ForwardRequest"]], list[list[int]]]
 
 
-def width_split(call_cost_tokens: float) -> SplitPolicy:
-    """A :data:`SplitPolicy` that puts requests of similar widths in one call: a model call pads every row
-    to its widest request, so rows of different widths (sequences at different stages) may cost less in
-    two calls than in one. ``call_cost_tokens``: a call's fixed cost in tokens fed (the forward cost
-    model's fixed cost over its cost per token). Over the distinct widths, sorted, it picks the contiguous
-    ranges whose calls cost least, each ``call_cost_tokens + rows * widest``."""
-    if call_cost_tokens < 0:
-        raise ValueError(f"call_cost_tokens: must be 0 or more, got {call_cost_tokens}")
+@dataclass(frozen=True)
+class CallPrice:
+    """What a batched model call costs, in tokens fed: ``call`` per call, 1 per token fed, ``key`` per
+    (row, key) pair and ``pair`` per query-key pair. A call pads every row to its widest request (``width``
+    tokens fed) and every row's keys to its longest: ``keys`` = the longest cached row + ``width``; so a
+    call of ``rows`` rows costs ``call + rows * (width + key * keys + pair * width * keys)``
+    (:meth:`cost`): the forward cost model's fixed, token, key and pair terms over its per-token one."""
+
+    call: float
+    key: float = 0.0
+    pair: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("call", "key", "pair"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN included
+                raise ValueError(f"call price: {name} must be 0 or more, got {value}")
+
+    def cost(self, rows: int, width: int, cached: int) -> float:
+        """A call of ``rows`` rows fed ``width`` tokens each after ``cached`` keys (each padded to these)."""
+        keys = cached + width
+        return self.call + rows * (width + self.key * keys + self.pair * width * keys)
+
+
+def shape_split(price: CallPrice) -> SplitPolicy:
+    """A :data:`SplitPolicy` that puts requests of similar widths AND similar cached lengths in one call,
+    where that saves more than a call costs (priced by ``price``: a call pads every row to its widest
+    request and its longest cached row, so sequences at different stages may cost less in two calls than
+    in one). Over the distinct widths, sorted, it picks contiguous ranges; within each range, over its
+    requests sorted by cached length, contiguous runs; the cheapest such split by :meth:`CallPrice.cost`
+    (each call at its own widest and longest). One call when its padding costs less than a call."""
 
     def split(requests: list[ForwardRequest]) -> list[list[int]]:
-        widths = [r.ids.shape[-1] for r in requests]
-        levels = sorted(set(widths))
-        if len(levels) == 1:
+        shapes = [(r.ids.shape[-1], r.cached(), rows(r)) for r in requests]  # (width, cached, rows)
+        one = price.cost(sum(n for *_, n in shapes), max(w for w, *_ in shapes), max(c for _, c, _ in shapes))
+        alone = price.call + sum(price.cost(n, w, c) - price.call for w, c, n in shapes)  # no padding at all
+        if one <= alone + price.call:  # no split of two or more calls can cost less
             return [list(range(len(requests)))]
-        rows_at = [0] * len(levels)
-        for r, w in zip(requests, widths):
-            rows_at[levels.index(w)] += rows(r)
-        best = [0.0] + [float("inf")] * len(levels)  # best[j]: the least cost of levels[:j]
-        start = [0] * (len(levels) + 1)  # start[j]: where the last call of best[j] begins
+        levels = sorted(set(w for w, *_ in shapes))
+        # best[j]: the least cost of the requests of widths levels[:j], start[j]: where its last range begins
+        best, start, runs = [0.0] + [float("inf")] * len(levels), [0] * (len(levels) + 1), {}
         for j in range(1, len(levels) + 1):
             for i in range(j):
-                cost = best[i] + call_cost_tokens + levels[j - 1] * sum(rows_at[i:j])
-                if cost < best[j]:
-                    best[j], start[j] = cost, i
-        ranges, j = [], len(levels)
+                members = sorted((k for k, s in enumerate(shapes) if levels[i] <= s[0] <= levels[j - 1]),
+                                 key=lambda k: shapes[k][1])
+                cost, parts = _cached_runs(price, [shapes[k] for k in members])
+                runs[i, j] = [[members[k] for k in part] for part in parts]
+                if best[i] + cost < best[j]:
+                    best[j], start[j] = best[i] + cost, i
+        calls, j = [], len(levels)
         while j:
-            ranges.append((levels[start[j]], levels[j - 1]))
+            calls = runs[start[j], j] + calls
             j = start[j]
-        return [[k for k, w in enumerate(widths) if lo <= w <= hi] for lo, hi in reversed(ranges)]
+        return [sorted(call) for call in calls]
 
     return split
+
+
+def _cached_runs(price: CallPrice, shapes: list[tuple[int, int, int]]) -> tuple[float, list[list[int]]]:
+    """The cheapest split of ``shapes`` ((width, cached, rows), sorted by cached) into contiguous runs:
+    (its cost, the runs as index lists)."""
+    best, start = [0.0] + [float("inf")] * len(shapes), [0] * (len(shapes) + 1)
+    for j in range(1, len(shapes) + 1):
+        cached, n, width = shapes[j - 1][1], 0, 0
+        for i in range(j - 1, -1, -1):  # the run shapes[i:j], grown to the left: its longest is shapes[j-1]
+            n, width = n + shapes[i][2], max(width, shapes[i][0])
+            cost = best[i] + price.cost(n, width, cached)
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    parts, j = [], len(shapes)
+    while j:
+        parts.append(list(range(start[j], j)))
+        j = start[j]
+    return best[-1], parts[::-1]
 
 
 def run_loops(
@@ -245,7 +293,7 @@ def run_loops(
     the forwards its sequence took part in (``nfe``), the tokens fed in its rows (``tokens_in``, padding
     included: summed over the sequences, the tokens of the model calls) and when it ended.
     ``on_commit(i, commit)`` receives loop i's commits as they happen. ``split`` (a :data:`SplitPolicy`,
-    e.g. :func:`width_split`): a group's forwards in several model calls (default: one call per group).
+    e.g. :func:`shape_split`): a group's forwards in several model calls (default: one call per group).
 
     ``align_groups``: when the waiting forwards belong to several groups, run only the group with the most
     rows and those holding a forward that waited the round before; the others wait one round. Loops that

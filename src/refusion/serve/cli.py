@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag}: must be at least {low}, got {value}")
     if args.request_timeout <= 0 or args.shutdown_grace < 0 or args.admit_wait < 0:
         raise ConfigError("--request-timeout must be above 0, --shutdown-grace and --admit-wait 0 or more")
-    call_cost = _call_cost_tokens(args.call_cost_tokens)
+    call_cost = parse_call_cost_tokens(args.call_cost_tokens)
     if not is_loopback(args.host) and key is None:
         print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use it")
     if args.replicas and args.engine_process:
@@ -106,17 +106,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _call_cost_tokens(text: str) -> float | None | str:
-    """``--call-cost-tokens``: auto, off, or a number of tokens (0 or more)."""
+def parse_call_cost_tokens(text: str) -> float | tuple[float, float, float] | None | str:
+    """``--call-cost-tokens``: auto, off, N (a call's cost in tokens fed, >= 0) or N,KEY,PAIR (also per
+    (row, key) pair and per query-key pair, each >= 0)."""
     if text in ("auto", "off"):
         return None if text == "off" else "auto"
     try:
-        value = float(text)
+        values = [float(v) for v in text.split(",")]
     except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ConfigError(f"--call-cost-tokens: expected auto, off or a number of tokens >= 0, got {text!r}")
-    return value
+        values = []
+    if len(values) not in (1, 3) or not all(v >= 0 for v in values):
+        raise ConfigError(f"--call-cost-tokens: expected auto, off, a number of tokens >= 0 or three "
+                          f"(per call, per key, per query-key pair: N,KEY,PAIR), got {text!r}")
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _serve_replicas(args: argparse.Namespace, model: str, config: dict, key: str | None,
@@ -162,7 +164,7 @@ def add_serve_commands(sub, add_model_args) -> None:
     from refusion.core.config import add_decoder_config_args
     from refusion.core.threads import add_threads_arg
     from refusion.experiments.args import add_split_arg
-    from refusion.serve.engine import ADMIT_MIN, ADMIT_WAIT_S, CALL_COST_TOKENS_CPU, STREAM_INTERVAL
+    from refusion.serve.engine import ADMIT_MIN, ADMIT_WAIT_S, CALL_PRICE_CPU, STREAM_INTERVAL
     from refusion.serve.protocol import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (needs .[serve])",
@@ -182,10 +184,12 @@ def add_serve_commands(sub, add_model_args) -> None:
     s.add_argument("--admit-wait", type=float, default=ADMIT_WAIT_S,
                    help=f"... or once the oldest waiting request has waited this many seconds "
                         f"(default {ADMIT_WAIT_S:g})")
-    s.add_argument("--call-cost-tokens", default="auto", metavar="N|auto|off",
-                   help=f"a model call's fixed cost in tokens fed: rows of different widths go in separate calls "
-                        f"when that saves more padding (default auto: {CALL_COST_TOKENS_CPU:g} on the CPU, off "
-                        f"elsewhere)")
+    s.add_argument("--call-cost-tokens", default="auto", metavar="N[,KEY,PAIR]|auto|off",
+                   help=f"a model call's price in tokens fed: N per call, KEY per (row, key) pair, PAIR per "
+                        f"query-key pair; rows of different widths or cached lengths go in separate calls when "
+                        f"that saves more padding than a call costs (default auto: {CALL_PRICE_CPU.call:g},"
+                        f"{CALL_PRICE_CPU.key:g},{CALL_PRICE_CPU.pair:g} on the CPU, off elsewhere; N alone: KEY "
+                        f"and PAIR the CPU's there, 0 elsewhere)")
     s.add_argument("--no-align-groups", dest="align_groups", action="store_false",
                    help="run every request group's call in each round (default: where sequences wait in several "
                         "groups, e.g. a speculative drafter's and target's calls, the largest runs and the others "

@@ -8,8 +8,9 @@ free, it admits them in groups (``admit_min`` places free, or the oldest has wai
 sequences admitted together share their prompt's model call and stay at similar stages, so fewer rows
 are padded to another's width. A newly admitted sequence's first model call of each request group (its
 prompt) runs apart from the running batch's call, which would otherwise pad every row to the prompt's
-width; with ``call_cost_tokens`` set (by default on the CPU), every group's rows go in calls of similar
-widths where that saves more padding than a call costs (:func:`~refusion.core.loop.width_split`).
+width; with a call price set (by default on the CPU), every group's rows go in calls of similar widths and
+similar cached lengths where that saves more padding than a call costs
+(:func:`~refusion.core.loop.shape_split`).
 
 A request is a :class:`Job`. Its loop is wrapped (:meth:`Engine._steps`) so that it reports its commits to
 the job's ``sink`` as they happen and stops early when the job is cancelled (the client disconnected, a
@@ -40,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from refusion.core.loop import Commit, ForwardRequest, LoopSteps, run_loops, width_split
+from refusion.core.loop import CallPrice, Commit, ForwardRequest, LoopSteps, run_loops, shape_split
 from refusion.core.types import LoopOutput
 from refusion.serve.metrics import Metrics, server_metrics
 from refusion.serve.protocol import RequestError
@@ -53,15 +54,31 @@ ADMIT_WAIT_S = 0.5
 #: module docstring): 4 makes AR's chunks 4 tokens and leaves the diffusion decoders' multi-token commits as
 #: they are (docs/serving.md#streaming-what-final-means measures it)
 STREAM_INTERVAL = 4
-#: a model call's fixed cost in tokens fed on the CPU (docs/profile.md's cost model of the tiny models: 12 ms
-#: per call, 118 us per token): rows of different widths go in separate calls when that saves more padding
-CALL_COST_TOKENS_CPU = 100.0
+#: the cost model's CPU seconds per token fed (docs/profile.md#predicted-against-measured-on-this-cpu: the
+#: pooled cold fit of the tiny models, whose key and pair terms are 1.24 us and 65 ns)
+TOKEN_S_CPU = 87.1e-6
+#: a model call's price in tokens fed on the CPU (:class:`~refusion.core.loop.CallPrice`), rows of different
+#: widths or cached lengths going in separate calls when that saves more than a call: per call 100 tokens
+#: (docs/profile.md's cost model of the tiny models: 12 ms per call, 118 us per token); per (row, key) pair
+#: and per query-key pair the pooled fit's terms over its cost per token (0.0142 and 0.00075)
+CALL_PRICE_CPU = CallPrice(call=100.0, key=1.24e-6 / TOKEN_S_CPU, pair=65e-9 / TOKEN_S_CPU)
 
 
-def default_call_cost_tokens(device) -> float | None:
-    """``call_cost_tokens`` by device: :data:`CALL_COST_TOKENS_CPU` on the CPU; None (one call per request
-    group) elsewhere, where a call's fixed cost outweighs thousands of tokens (docs/gpu.md)."""
-    return CALL_COST_TOKENS_CPU if torch.device(device).type == "cpu" else None
+def call_price(setting: "float | tuple | CallPrice | None | str", device) -> CallPrice | None:
+    """The engine's call price from ``--call-cost-tokens``' value: ``"auto"`` is :data:`CALL_PRICE_CPU` on
+    the CPU and None (one call per request group) elsewhere, where a call's fixed cost outweighs thousands of
+    tokens (docs/gpu.md); None is off; a number N prices a call at N tokens, its key and pair terms the
+    device's (the CPU's; 0 elsewhere: widths alone); ``(call, key, pair)`` or a :class:`CallPrice` sets all."""
+    cpu = torch.device(device).type == "cpu"
+    if setting == "auto":
+        return CALL_PRICE_CPU if cpu else None
+    if setting is None or isinstance(setting, CallPrice):
+        return setting
+    if isinstance(setting, (tuple, list)):
+        if len(setting) != 3:
+            raise ValueError(f"expected a price per call, per key and per query-key pair, got {setting!r}")
+        return CallPrice(*(float(v) for v in setting))
+    return CallPrice(float(setting), CALL_PRICE_CPU.key if cpu else 0.0, CALL_PRICE_CPU.pair if cpu else 0.0)
 
 
 class LoopSink:
@@ -139,7 +156,7 @@ class Engine:
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
                  admit_min: int = ADMIT_MIN, admit_wait_s: float = ADMIT_WAIT_S, separate_prefill: bool = True,
-                 call_cost_tokens: float | None | str = "auto", align_groups: bool = True) -> None:
+                 call_cost_tokens: "float | tuple | CallPrice | None | str" = "auto", align_groups: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be at least 1, got {max_batch}")
         if max_queue < 0:
@@ -154,11 +171,14 @@ class Engine:
         #: while the batch runs and more requests wait than places are free, admit only when ``admit_min``
         #: places are free (at most the batch) or the oldest waiting request has waited ``admit_wait_s``
         self.admit_min, self.admit_wait_s = min(admit_min, max_batch), admit_wait_s
-        #: rows of one request group in several model calls by width (:func:`~refusion.core.loop.width_split`)
-        #: when a call's fixed cost, in tokens fed, is below the padding saved; None: one call per group
-        self.call_cost_tokens = (default_call_cost_tokens(decoder.backbone.device) if call_cost_tokens == "auto"
-                                 else call_cost_tokens)
-        self._split = None if self.call_cost_tokens is None else width_split(self.call_cost_tokens)
+        #: rows of one request group in several model calls by width and cached length
+        #: (:func:`~refusion.core.loop.shape_split`) when the padding saved costs more than a call, priced in
+        #: tokens fed (:func:`call_price`); None: one call per group
+        try:
+            self.call_price = call_price(call_cost_tokens, decoder.backbone.device)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--call-cost-tokens: {e}") from None
+        self._split = None if self.call_price is None else shape_split(self.call_price)
         #: run one request group per model-call round where loops wait in several, so that sequences admitted
         #: at different times fall into step (:func:`~refusion.core.loop.run_loops`' ``align_groups``)
         self.align_groups = align_groups
