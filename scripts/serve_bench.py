@@ -25,6 +25,11 @@ The exit code is 1 when a goal is not met.
 
     python scripts/serve_bench.py --rows ar,refusion,llada,block,spec-diffusion --task arith --out runs/serve_bench
     python scripts/serve_bench.py --rows refusion --parts ratio --rounds 3 --out runs/serve_ratio
+    python scripts/serve_bench.py --rows ar --parts ratio --rounds 2 --compare-serve-args=--engine-process
+
+``--serve-args`` adds flags to every server (``--serve-args=--engine-process``, with ``=`` as a lone flag
+needs: the engine in a process of its own); ``--compare-serve-args`` starts a second server of the row with more flags, measured in the same rounds
+(batch-bench, the first server, the second, in reverse order every other round), a table row each.
 """
 
 from __future__ import annotations
@@ -72,47 +77,57 @@ def offline_chunk(decoder, prompts: list[list[int]]) -> tuple[int, float, float,
             bb.nfe - nfe, bb.tokens_in - fed)
 
 
-def measure_ratio(decoder, url: str, queries: list[str], prompts: list[list[int]], rounds: int) -> dict:
+def measure_ratio(decoder, urls: list[str], queries: list[str], prompts: list[list[int]], rounds: int) -> list[dict]:
     """Per round: batch-bench's chunks of 16 over every prompt, and the same prompts served as a stream of
-    requests at concurrency 16, the side that goes first alternating (see the module docstring) -> per-round
-    figures and the served / offline ratios with paired-bootstrap intervals over the rounds: of tokens per
-    wall second, and of tokens per CPU second (the offline process's against the server process's, which
-    other work on the machine inflates less)."""
-    rows: list[dict] = []
+    requests at concurrency 16 by each server of ``urls``, the sides in turn, in reverse order every other
+    round (see the module docstring) -> per server: per-round figures (its served side's beside the round's
+    offline side) and the served / offline ratios with paired-bootstrap intervals over the rounds: of tokens
+    per wall second, and of tokens per CPU second (the offline process's against the server's processes',
+    which other work on the machine inflates less)."""
+    per_url: list[list[dict]] = [[] for _ in urls]
     for r in range(rounds):
-        row: dict = {}
+        off: dict = {}
+        served_rows: list[dict] = [{} for _ in urls]
 
         def offline() -> None:
             chunks = [offline_chunk(decoder, prompts[i: i + 16]) for i in range(0, len(prompts), 16)]
-            row.update(offline_tokens=sum(c[0] for c in chunks), offline_s=sum(c[1] for c in chunks),
+            off.update(offline_tokens=sum(c[0] for c in chunks), offline_s=sum(c[1] for c in chunks),
                        offline_cpu_s=sum(c[2] for c in chunks), offline_calls=sum(c[3] for c in chunks),
                        offline_fed=sum(c[4] for c in chunks))
 
-        def served() -> None:
+        def served(k: int) -> None:
             c0 = time.process_time()
-            rep = run_loadtest(url, queries, 16, len(queries), 1800)
+            rep = run_loadtest(urls[k], queries, 16, len(queries), 1800)
             if rep["errors"] or rep["not_sent"]:
                 raise RuntimeError(f"served round failed: {rep['errors']}, {rep['not_sent']} not sent")
             srv = rep["server"]
-            row.update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"], served_cpu_s=srv["cpu_s"],
-                       served_engine_cpu_s=srv["engine_cpu_s"], client_cpu_s=time.process_time() - c0,
-                       served_calls=srv["forward_calls"], served_fed=srv["tokens_fed"], served_chunks=rep["chunks"])
+            served_rows[k].update(served_tokens=rep["completion_tokens"], served_s=rep["wall_s"],
+                                  served_cpu_s=srv["cpu_s"], served_engine_cpu_s=srv["engine_cpu_s"],
+                                  client_cpu_s=time.process_time() - c0, served_calls=srv["forward_calls"],
+                                  served_fed=srv["tokens_fed"], served_chunks=rep["chunks"])
 
-        for side in ((offline, served) if r % 2 == 0 else (served, offline)):
+        sides = [offline] + [lambda k=k: served(k) for k in range(len(urls))]
+        for side in (sides if r % 2 == 0 else sides[::-1]):
             side()
-        rows.append(row)
-        print(f"  round {r}: {json.dumps(row)}, load average {os.getloadavg()[0]:.1f}", flush=True)
+        for k, row in enumerate(served_rows):
+            per_url[k].append({**off, **row})
+            print(f"  round {r}, server {k}: {json.dumps(per_url[k][-1])}, load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
 
-    def col(key: str) -> list[float]:
-        return [row[key] for row in rows]
+    def summary(rows: list[dict]) -> dict:
+        def col(key: str) -> list[float]:
+            return [row[key] for row in rows]
 
-    wall = throughput_ratio(col("offline_tokens"), col("offline_s"), col("served_tokens"), col("served_s"))
-    cpu = throughput_ratio(col("offline_tokens"), col("offline_cpu_s"), col("served_tokens"), col("served_cpu_s"))
-    return {"rounds": rows, "offline_tokens_per_s": sum(col("offline_tokens")) / sum(col("offline_s")),
-            "served_tokens_per_s": sum(col("served_tokens")) / sum(col("served_s")),
-            "ratio": wall.value, "ratio_low": wall.low, "ratio_high": wall.high,
-            "cpu_ratio": cpu.value, "cpu_ratio_low": cpu.low, "cpu_ratio_high": cpu.high,
-            "same_tokens": col("offline_tokens") == col("served_tokens")}
+        wall = throughput_ratio(col("offline_tokens"), col("offline_s"), col("served_tokens"), col("served_s"))
+        cpu = throughput_ratio(col("offline_tokens"), col("offline_cpu_s"), col("served_tokens"),
+                               col("served_cpu_s"))
+        return {"rounds": rows, "offline_tokens_per_s": sum(col("offline_tokens")) / sum(col("offline_s")),
+                "served_tokens_per_s": sum(col("served_tokens")) / sum(col("served_s")),
+                "ratio": wall.value, "ratio_low": wall.low, "ratio_high": wall.high,
+                "cpu_ratio": cpu.value, "cpu_ratio_low": cpu.low, "cpu_ratio_high": cpu.high,
+                "same_tokens": col("offline_tokens") == col("served_tokens")}
+
+    return [summary(rows) for rows in per_url]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-requests", type=int, default=16, help="requests per concurrency level (default 16)")
     ap.add_argument("--goal-requests", type=int, default=500)
     ap.add_argument("--disconnect-fraction", type=float, default=0.1)
-    ap.add_argument("--serve-args", default="", help="more flags for refusion serve (e.g. '--admit-min 1')")
+    ap.add_argument("--serve-args", default="", help="more flags for refusion serve (e.g. '--admit-min 1', "
+                    "'--engine-process')")
+    ap.add_argument("--compare-serve-args", default=None,
+                    help="ratio part: also serve with these flags added (e.g. '--engine-process'), a second server "
+                         "measured in the same rounds, the sides in turn")
     ap.add_argument("--out", type=Path, default=Path("runs/serve_bench"))
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -142,16 +161,27 @@ def main(argv: list[str] | None = None) -> int:
         result = {"row": row, "model": bench.models[row], "task": args.task, "serve_args": args.serve_args,
                   "load_average_before": os.getloadavg()}
         proc, url = start_server(row, args.task, args.serve_args.split())
+        other = None
         try:
             run_loadtest(url, queries[:16], 16, 16, 1800)  # warm-up of the server
             if "ratio" in parts:
+                urls = [url]
+                if args.compare_serve_args is not None:
+                    other, other_url = start_server(row, args.task, (args.serve_args + " " +
+                                                                     args.compare_serve_args).split())
+                    run_loadtest(other_url, queries[:16], 16, 16, 1800)
+                    urls.append(other_url)
                 backbone = Backbone.from_pretrained(bench.models[row])
                 decoder = build_decoder(backbone, bench.decoder_config(args.task, row, task.max_new_tokens))
                 prompts = [encode_prompt(backbone.tokenizer, q) for q in queries]
                 offline_chunk(decoder, prompts[:16])  # warm-up of the offline side
-                result["ratio"] = measure_ratio(decoder, url, queries, prompts, args.rounds)
-                print(row, "served / offline", json.dumps({k: v for k, v in result["ratio"].items() if k != "rounds"}),
-                      f"load average {os.getloadavg()}", flush=True)
+                ratios = measure_ratio(decoder, urls, queries, prompts, args.rounds)
+                result["ratio"] = ratios[0]
+                if other is not None:
+                    result["ratio_compare"] = {**ratios[1], "serve_args": args.compare_serve_args}
+                for x in ratios:
+                    print(row, "served / offline", json.dumps({k: v for k, v in x.items() if k != "rounds"}),
+                          f"load average {os.getloadavg()}", flush=True)
             if "table" in parts:
                 table = {}
                 for c in [int(x) for x in args.concurrency.split(",")]:
@@ -168,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 all_met &= all(met for _, met, _ in result["verdicts"])
         finally:
-            proc.send_signal(signal.SIGINT)
+            for p in (proc, other):
+                if p is not None:
+                    p.send_signal(signal.SIGINT)
             result["server_exit"] = proc.wait(timeout=120)
+            if other is not None:
+                result["compare_server_exit"] = other.wait(timeout=120)
         result["load_average"] = os.getloadavg()
         print(row, f"done, load average {result['load_average']}", flush=True)
         results.append(result)
@@ -199,13 +233,12 @@ def markdown(results: list[dict]) -> str:
         out.append(tables.markdown(["row", "concurrency", "tokens/s", "requests/s", "TTFT p50 / p95 / p99 ms",
                                     "ITL p50 / p95 / p99 ms", "errors"], table))
     ratio = []
-    for r in results:
-        if "ratio" not in r:
-            continue
-        x, rounds = r["ratio"], r["ratio"]["rounds"]
+    for r, x in [(r, r[key]) for r in results for key in ("ratio", "ratio_compare") if key in r]:
+        rounds = x["rounds"]
         counted = "served_engine_cpu_s" in rounds[0]  # runs before the engine's own counters have none
+        serve_args = x.get("serve_args", r.get("serve_args", ""))
         ratio.append([
-            r["row"], f"{x['offline_tokens_per_s']:.0f}", f"{x['served_tokens_per_s']:.0f}",
+            f"{r['row']} ({serve_args})" if serve_args else r["row"], f"{x['offline_tokens_per_s']:.0f}", f"{x['served_tokens_per_s']:.0f}",
             f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f})",
             f"{x['cpu_ratio']:.2f} ({x['cpu_ratio_low']:.2f} - {x['cpu_ratio_high']:.2f})",
             f"{mean(rounds, 'offline_calls'):.0f} / {mean(rounds, 'served_calls'):.0f}" if counted else "-",

@@ -119,3 +119,13 @@ def assert_batch_decodes_as_alone(batch, alone, atol: float = 1e-5) -> None:
             assert [p for p, _ in tb.scored] == [p for p, _ in ta.scored]
             assert torch.allclose(torch.tensor([s for _, s in tb.scored]), torch.tensor([s for _, s in ta.scored]),
                                   atol=atol)
+
+
+def endless_backbone(path: str):
+    """A backbone whose model never ends a text (no EOS ids): a decode runs its whole max_tokens (the serve
+    tests' long decodes; picklable by name, so an engine process can load it)."""
+    from refusion.models.backend import Backbone
+
+    bb = Backbone.from_pretrained(path)
+    bb.eos_ids = set()
+    return bb

@@ -1,12 +1,16 @@
 """`refusion serve` against the official openai client on 127.0.0.1: completions, chat, streams, stop
 strings, per-request decoder options, errors; every served output token-identical to the offline decode
-(Decoder.generate) of the same prompt and config, while requests share a running batch."""
+(Decoder.generate) of the same prompt and config, while requests share a running batch. The ``server``
+fixture's tests run with the engine in a thread and in a process of its own (``--engine-process``), whose
+hang-ups, 429s, 504s, shutdown, death and metrics the last tests check."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import http.client
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -15,12 +19,14 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from helpers import endless_backbone  # noqa: E402
+
 from refusion.core.config import build_decoder  # noqa: E402
 from refusion.models.backend import Backbone  # noqa: E402
 from refusion.models.loading import resolve_model_path  # noqa: E402
 from refusion.models.tokenizer import encode_prompt  # noqa: E402
 from refusion.serve.engine import Job  # noqa: E402
-from refusion.serve.metrics import parse_metrics  # noqa: E402
+from refusion.serve.metrics import Histogram, parse_metrics, server_metrics  # noqa: E402
 from refusion.serve.server import BackgroundServer, create_state  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
 
@@ -51,14 +57,28 @@ def offline(model: str, config: dict, prompt_ids: list[int], **options) -> list[
     return build_decoder(offline_backbone(model), {**config, **options}).generate(prompt_ids).token_ids
 
 
-def start(model: str, config: dict, **settings) -> BackgroundServer:
-    state = create_state(Backbone.from_pretrained(model), config, model, str(resolve_model_path(model)), **settings)
+#: create_state's settings that are the engine's (an engine process takes them in its EngineSpec)
+ENGINE_SETTINGS = ("max_batch", "max_queue", "admit_min", "admit_wait_s", "call_cost_tokens", "align_groups")
+
+
+def start(model: str, config: dict, process: bool = False, load=None, **settings) -> BackgroundServer:
+    """A server of ``model`` and ``config`` on a free port; ``process``: its engine in a process of its own
+    (``refusion serve --engine-process``), its backbone from ``load(path)`` (default: the model's)."""
+    if process:
+        from refusion.serve.engine_process import EngineSpec, create_process_state
+
+        engine = {k: settings.pop(k) for k in ENGINE_SETTINGS if k in settings}
+        spec = EngineSpec(str(resolve_model_path(model)), config, engine, load=load)
+        return BackgroundServer(create_process_state(spec, model, spec.path, **settings)).start()
+    bb = Backbone.from_pretrained(model) if load is None else load(str(resolve_model_path(model)))
+    state = create_state(bb, config, model, str(resolve_model_path(model)), **settings)
     return BackgroundServer(state).start()
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start(*SERVED["refusion"], max_batch=8, max_queue=8)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request):
+    """A refusion server, its engine in a thread of the server's process, then in a process of its own."""
+    srv = start(*SERVED["refusion"], process=request.param == "process", max_batch=8, max_queue=8)
     yield srv
     srv.stop()
 
@@ -120,11 +140,12 @@ def test_a_stream_sends_the_final_text_in_pieces(server, client):
     assert len({c.id for c in chunks}) == 1
 
 
-def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_concurrent_requests_with_their_own_options_each_decode_as_offline(process):
     """Requests that differ in decoder options, max_tokens and seed share the running batch; each is
-    its own offline decode. Every shipped decoder kind."""
+    its own offline decode. Every shipped decoder kind, its engine in a thread and in a process."""
     for name, (model, config) in SERVED.items():
-        srv = start(model, config, max_batch=4, max_queue=16)
+        srv = start(model, config, process=process, max_batch=4, max_queue=16)
         try:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             extra = {"refusion": [{"slot_size": 4}, {}], "llada": [{"block_length": 4}, {}],
@@ -143,6 +164,9 @@ def test_concurrent_requests_with_their_own_options_each_decode_as_offline():
             for (q, options, n), ids in zip(jobs, served):
                 assert ids == offline(model, config, chat_ids(model, q), gen_length=n, **options), (name, options, n)
             engine, end = srv.state.engine, time.monotonic() + 10
+            if process:  # the cache is the engine process's: its counts
+                assert wait_until(lambda: engine.counts() == (0, 0))
+                continue
             caches = [getattr(engine.cache, side) for side in ("target", "drafter")] if name == "speculative" \
                 else [engine.cache]
             while (engine.counts() != (0, 0) or any(c.lengths for c in caches)) and time.monotonic() < end:
@@ -343,10 +367,7 @@ def test_a_model_without_chat_template_refuses_chat_but_serves_completions():
 
 def endless(**settings) -> BackgroundServer:
     """An ar server whose model never ends a text (no EOS ids): a decode runs its whole max_tokens."""
-    model, config = SERVED["ar"]
-    bb = Backbone.from_pretrained(model)
-    bb.eos_ids = set()
-    return BackgroundServer(create_state(bb, config, model, **settings)).start()
+    return start(*SERVED["ar"], load=endless_backbone, **settings)
 
 
 def test_a_client_that_hangs_up_leaves_the_batch():
@@ -409,9 +430,11 @@ def test_a_full_queue_answers_429():
     assert full.value.status == 429 and "--max-queue" in full.value.message
 
 
-def test_shutdown_finishes_what_is_queued_and_running_then_refuses():
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_shutdown_finishes_what_is_queued_and_running_then_refuses(process):
+    """... then, with --engine-process, the engine process exits."""
     model, config = SERVED["ar"]
-    srv = endless(max_batch=2, shutdown_grace_s=30)
+    srv = (endless_process if process else endless)(max_batch=2, shutdown_grace_s=30)
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     engine = srv.state.engine
 
@@ -435,6 +458,8 @@ def test_shutdown_finishes_what_is_queued_and_running_then_refuses():
         bb.eos_ids = eos
     with pytest.raises(OSError):
         raw(srv.url, "GET", "/health")
+    if process:
+        assert not engine.process.is_alive() and engine.process.exitcode == 0
 
 
 def test_loadtest_reports_delivery_and_matches_offline(server):
@@ -556,3 +581,124 @@ def test_the_events_of_a_step_reach_an_event_loop_in_one_wake_up():
         assert events[-1] == ("end", want) and [t for e in events[:-1] for t in e[1]] == want
     assert sum(len(events) for events in got) > 2 * calls  # a commit per job and step
     assert loop.wakeups <= calls + 1
+
+
+# ---------------------------------------------------------------- refusion serve --engine-process
+
+
+def endless_process(**settings):
+    """An ar server in process mode whose model never ends a text: a decode runs its whole max_tokens."""
+    return start(*SERVED["ar"], process=True, load=endless_backbone, **settings)
+
+
+def metrics_of(url: str) -> dict[str, float]:
+    return parse_metrics(raw(url, "GET", "/metrics")[1].decode())
+
+
+def wait_until(check, timeout_s: float = 20.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def open_stream(url: str, max_tokens: int = 480) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": SERVED["ar"][0], "prompt": "1 + 2 =", "stream": True, "max_tokens": max_tokens}),
+        headers={"Content-Type": "application/json"})
+    return conn
+
+
+def test_a_hang_up_cancels_the_decode_in_the_engine_process_and_429_504_are_answered():
+    srv = endless_process(max_batch=1, max_queue=0, request_timeout_s=5.0)
+    try:
+        engine = srv.state.engine
+        assert engine.process.is_alive() and engine.process.pid != os.getpid()
+        conn = open_stream(srv.url)
+        response = conn.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event: the decode is under way
+        assert engine.counts() == (1, 0)
+        got, answer = raw(srv.url, "POST", "/v1/completions",  # the batch (1) and queue (0) are full
+                          json.dumps({"model": SERVED["ar"][0], "prompt": "1 =", "max_tokens": 4}).encode())
+        assert got == 429 and "--max-queue" in json.loads(answer)["error"]["message"]
+        conn.sock.close()
+        conn.close()
+        assert wait_until(lambda: engine.counts() == (0, 0))
+        m = metrics_of(srv.url)
+        assert m['refusion_cancelled_total{reason="disconnect"}'] == 1
+        assert 0 < m["refusion_generation_tokens_total"] < 480  # it stopped early, counted in the engine process
+        assert m["refusion_engine_cpu_seconds_total"] > 0 and m["refusion_forward_calls_total"] > 0
+        got, answer = raw(srv.url, "POST", "/v1/completions",  # over its timeout: 504, from the engine process
+                          json.dumps({"model": SERVED["ar"][0], "prompt": "1 + 2 =", "max_tokens": 100000}).encode())
+        assert got in (400, 504)
+        if got == 400:  # beyond the model's positions: checked in the HTTP process, naming the field
+            assert "max_tokens" in json.loads(answer)["error"]["message"]
+    finally:
+        srv.stop()
+    assert not srv.state.engine.process.is_alive()
+
+
+def test_a_request_over_its_timeout_gets_a_504_from_the_engine_process():
+    srv = endless_process(request_timeout_s=0.3)
+    try:
+        got, answer = raw(srv.url, "POST", "/v1/completions",
+                          json.dumps({"model": SERVED["ar"][0], "prompt": "1 + 2 =", "max_tokens": 480}).encode())
+        assert got == 504 and "timed out" in json.loads(answer)["error"]["message"]
+        assert wait_until(lambda: srv.state.engine.counts() == (0, 0))
+    finally:
+        srv.stop()
+
+
+def test_the_engine_process_dying_fails_open_requests_with_500_and_new_ones_with_503(capfd):
+    srv = endless_process()
+    try:
+        engine = srv.state.engine
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(c.completions.create, model=SERVED["ar"][0], prompt="1 + 2 =", max_tokens=480)
+            conn = open_stream(srv.url)
+            response = conn.getresponse()
+            response.fp.readline()  # the stream's first event: both decodes are under way
+            assert wait_until(lambda: engine.counts() == (2, 0))
+            os.kill(engine.process.pid, signal.SIGKILL)
+            with pytest.raises(openai.InternalServerError, match="engine process"):
+                whole.result()
+        rest = []  # the stream's raw chunked bytes, line by line, up to its error event
+        while not rest or ('"error"' not in rest[-1] and rest[-1]):
+            rest.append(response.fp.readline().decode())
+        assert '"code": 500' in rest[-1] and "engine process" in rest[-1]
+        assert not any("[DONE]" in line for line in rest)
+        conn.close()
+        got, answer = raw(srv.url, "POST", "/v1/completions",
+                          json.dumps({"model": SERVED["ar"][0], "prompt": "1 =", "max_tokens": 4}).encode())
+        assert got == 503 and "engine" in json.loads(answer)["error"]["message"]
+        assert raw(srv.url, "GET", "/health")[0] == 503
+        assert raw(srv.url, "GET", "/metrics")[0] == 200  # the HTTP process's own metrics still answer
+    finally:
+        srv.stop()
+    assert f"the engine process (pid {engine.process.pid}) died" in capfd.readouterr().err
+
+
+def test_metrics_of_two_processes_add_up():
+    http_side, engine_side = server_metrics(), server_metrics()
+    http_side.inc("refusion_requests_total", endpoint="chat", status="200")
+    http_side.observe("refusion_time_to_first_token_seconds", 0.02)
+    engine_side.inc("refusion_forward_calls_total", 7)
+    engine_side.set("refusion_batch_size", 3)
+    engine_side.observe("refusion_time_to_first_token_seconds", 0.3)
+    engine_side.observe("refusion_queue_seconds", 0.001)
+    both = http_side.merged(engine_side.snapshot())
+    assert both.value("refusion_requests_total", endpoint="chat", status="200") == 1
+    assert both.value("refusion_forward_calls_total") == 7 and both.value("refusion_batch_size") == 3
+    assert both.value("refusion_time_to_first_token_seconds") == 2 and both.value("refusion_queue_seconds") == 1
+    text = parse_metrics(both.render(resident=5, cpu_s=2.5))
+    assert text["process_resident_memory_bytes"] == 5 and text["process_cpu_seconds_total"] == 2.5
+    assert text['refusion_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
+    assert text['refusion_time_to_first_token_seconds_bucket{le="0.5"}'] == 2
+    assert http_side.value("refusion_forward_calls_total") == 0  # merged is a copy
+    assert isinstance(engine_side.snapshot()["refusion_queue_seconds"][()], Histogram)

@@ -16,6 +16,7 @@ from refusion.cli import main
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--max-batch", "0"], "--max-batch"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--set", "slot_size=4"], "slot_size"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
+    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--engine-process", "--replicas", "2"], "--engine-process"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "100,0.01"], "--call-cost-tokens"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "100,-1,0"], "--call-cost-tokens"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "cheap"], "--call-cost-tokens"),
@@ -88,21 +89,40 @@ def test_a_decoder_whose_batch_is_its_own_is_refused():
 
 
 @pytest.mark.slow
-def test_serve_exits_cleanly_on_sigint():
+@pytest.mark.parametrize("extra", [[], ["--engine-process"]])
+def test_serve_exits_cleanly_on_sigint(extra):
+    """A terminal's Ctrl-C (SIGINT to the process group: with --engine-process, to both processes) ends the
+    server cleanly."""
     import os
     import signal
     import subprocess
     import sys
+    import time
+    import urllib.request
 
     pytest.importorskip("uvicorn")
     proc = subprocess.Popen([sys.executable, "-m", "refusion.cli", "serve", "--model", "tiny-ar", "--decoder", "ar",
-                             "--port", "0", "--threads", "1", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--port", "0", "--threads", "1", "--log-level", "warning", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        assert proc.stdout.readline().startswith("serving ")
-        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline()
+        assert line.startswith("serving ")
+        url, end = line.rsplit(" ", 1)[-1].strip(), time.monotonic() + 30
+        while True:  # up: the signal reaches uvicorn's handlers (and, with --engine-process, both processes)
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < end
+                time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    end = time.monotonic() + 10  # no process of the server's group is left (multiprocessing's resource tracker
+    with pytest.raises(ProcessLookupError):  # ends once the server has: its pipe closes)
+        while time.monotonic() < end:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)

@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` tokenise the prompt (chat: the tokenizer's chat
 template; a 400 when it has none), build the request's decoder (:class:`~refusion.serve.options.DecoderPool`)
-and queue a :class:`~refusion.serve.engine.Job`. A streamed request (``stream: true``) answers with
+and queue a :class:`~refusion.serve.engine.Job` (:meth:`ServeState.new_job`; with the engine in a process of
+its own, :mod:`refusion.serve.engine_process`'s state checks the options here and sends the job there). A streamed request (``stream: true``) answers with
 server-sent events: one chunk per piece of text that became final (:class:`~refusion.serve.text.FinalText`),
 then a chunk with the ``finish_reason``, then ``data: [DONE]``; a request without ``stream`` answers once.
 Both carry the extension ``refusion: {"token_ids": [...]}`` (a stream: the tokens committed since the last
@@ -65,6 +66,16 @@ class ServeState:
         self.vocab = len(self.tokenizer)
         self.created = int(time.time())
 
+    def new_job(self, prompt_ids: list[int], req, sink: LoopSink, deadline: float) -> Job:
+        """The engine's job of a request (its decoder built from its options); raises a 400
+        :class:`RequestError` naming a bad field."""
+        decoder = self.pool.decoder(req.refusion, req.temperature, req.max_tokens, len(prompt_ids))
+        return Job(prompt_ids, decoder, req.seed, deadline, sink, self.stream_interval)
+
+    def render_metrics(self) -> str:
+        """``GET /metrics``'s text."""
+        return self.engine.metrics.render()
+
 
 class Inbox:
     """A request's events from the engine thread, read by its handler on the event loop."""
@@ -72,7 +83,7 @@ class Inbox:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.events: collections.deque[tuple] = collections.deque()
-        self.ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the handler's wait, while it waits
 
     def sink(self) -> LoopSink:
         """The job's sink: the engine hands its events to the event loop (batched per model call)."""
@@ -80,12 +91,12 @@ class Inbox:
 
     def _put(self, event: tuple) -> None:
         self.events.append(event)
-        self.ready.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
 
     def take(self) -> tuple | None:
         """The next event, the commits right behind it joined to it; None when there is none."""
         if not self.events:
-            self.ready.clear()
             return None
         event = self.events.popleft()
         if event[0] == "commit" and self.events and self.events[0][0] == "commit":
@@ -96,12 +107,22 @@ class Inbox:
         return event
 
     async def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for an event; -> whether one came."""
-        try:
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        """Wait up to ``timeout_s`` for an event; -> whether one came. A future and a timer, no task (the
+        handler waits once per chunk)."""
+        if self.events:
             return True
-        except asyncio.TimeoutError:
-            return False
+        self._waiter = waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout_s, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
 
 
 def error_response(err: RequestError) -> JSONResponse:
@@ -174,11 +195,9 @@ def build_app(state: ServeState) -> Starlette:
 
     async def decode(request: Request, req, prompt_ids: list[int], chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
-        decoder = state.pool.decoder(req.refusion, req.temperature, req.max_tokens, len(prompt_ids))
         events = Inbox()
         arrived = time.perf_counter()
-        job = Job(prompt_ids, decoder, req.seed, arrived + state.request_timeout_s, events.sink(),
-                  state.stream_interval)
+        job = state.new_job(prompt_ids, req, events.sink(), arrived + state.request_timeout_s)
         state.engine.submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         text = FinalText(state.tokenizer, req.stop_strings)
@@ -188,10 +207,12 @@ def build_app(state: ServeState) -> Starlette:
 
         async def next_event() -> tuple:
             """The job's next event, with the commits already waiting behind it joined to it (one chunk for
-            what is final now); ("gone",) when the client has disconnected (checked every 0.2 s)."""
+            what is final now); ("gone",) when the client has disconnected (checked every 0.2 s while a whole
+            answer is awaited; a stream's disconnect ends its response, whose ``finally`` cancels the job:
+            Starlette's ``StreamingResponse`` listens for it, or its next write fails)."""
             while True:
                 now = time.perf_counter()
-                if now - checked[0] >= DISCONNECT_POLL_S:
+                if not req.stream and now - checked[0] >= DISCONNECT_POLL_S:
                     checked[0] = now
                     if await request.is_disconnected():
                         job.cancel("disconnect")
@@ -252,17 +273,21 @@ def build_app(state: ServeState) -> Starlette:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        # a chunk's JSON around its choice and tokens, encoded once: chunk() writes what json.dumps of the whole
+        # body writes, key for key
+        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": created, "model": state.model_name})[:-1]
+        head = f'data: {head}, "choices": ['
+        middle = f'], {json.dumps(EXTENSION)}: {{"token_ids": '
+        tail = '}, "usage": null}\n\n' if include_usage else "}}\n\n"
+
         def chunk(delta: str | None, ids: list[int], reason: str | None = None, role: bool = False) -> str:
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
                 choice = {"index": 0, "delta": d, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": state.model_name, "choices": [choice], EXTENSION: {"token_ids": ids}}
-            if include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body)}\n\n"
+            return f"{head}{json.dumps(choice)}{middle}{json.dumps(ids)}{tail}"
 
         async def sse():
             done = False
@@ -356,7 +381,7 @@ def build_app(state: ServeState) -> Starlette:
             authorize(request)
         except RequestError as e:
             return counted("metrics", error_response(e))
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.render_metrics(), media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         what = {404: f"path: {request.url.path} does not exist; endpoints: /v1/completions, /v1/chat/completions, "

@@ -85,8 +85,41 @@ class Metrics:
             v = self._values[name].get(tuple(sorted(labels.items())), 0)
             return v.count if isinstance(v, Histogram) else v
 
-    def render(self) -> str:
-        """Every metric in the Prometheus text format, plus the process's resident memory and CPU time."""
+    def snapshot(self) -> dict[str, dict[tuple, float | Histogram]]:
+        """Every series' value, histograms copied (picklable): what :meth:`merged` adds in another process."""
+        with self._lock:
+            out: dict[str, dict[tuple, float | Histogram]] = {}
+            for name, series in self._values.items():
+                out[name] = {}
+                for key, v in series.items():
+                    if isinstance(v, Histogram):
+                        h = Histogram(v.buckets)
+                        h.counts, h.sum, h.count = list(v.counts), v.sum, v.count
+                        v = h
+                    out[name][key] = v
+            return out
+
+    def merged(self, other: dict[str, dict[tuple, float | Histogram]]) -> "Metrics":
+        """A copy of these metrics with ``other`` (another process's :meth:`snapshot`, of the same names) added:
+        counters and gauges summed (a gauge is set by one of them), histograms bucket by bucket."""
+        out = Metrics()
+        out._meta, out._buckets = dict(self._meta), dict(self._buckets)
+        out._values = self.snapshot()
+        for name, series in other.items():
+            mine = out._values.setdefault(name, {})
+            for key, v in series.items():
+                if isinstance(v, Histogram):
+                    h = mine.setdefault(key, Histogram(v.buckets))
+                    h.counts = [a + b for a, b in zip(h.counts, v.counts)]
+                    h.sum += v.sum
+                    h.count += v.count
+                else:
+                    mine[key] = mine.get(key, 0) + v
+        return out
+
+    def render(self, resident: int | None = None, cpu_s: float | None = None) -> str:
+        """Every metric in the Prometheus text format, plus the server's resident memory and CPU time (default:
+        this process's; a server of two processes gives both summed)."""
         lines: list[str] = []
         with self._lock:
             for name, (kind, help_text) in self._meta.items():
@@ -98,9 +131,9 @@ class Metrics:
                     else:
                         lines.append(f"{name}{_labels(labels)} {v!r}")
         lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {resident_bytes()}",
+                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {resident_bytes() if resident is None else resident}",
                   "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.",
-                  "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {time.process_time()}"]
+                  "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {time.process_time() if cpu_s is None else cpu_s}"]
         return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ decoder (``refusion.decoder``) and the model. Validated options are cached per d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import OrderedDict
@@ -47,8 +48,20 @@ def flatten(options: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What requests are checked against when the backbone lives in another process (``refusion serve
+    --engine-process``): its tokenizer, EOS ids and maximum positions."""
+
+    tokenizer: Any
+    eos_ids: set[int]
+    max_positions: int
+
+
 class DecoderPool:
-    """The served decoder config and the decoders of its requests (see the module docstring)."""
+    """The served decoder config and the decoders of its requests (see the module docstring). ``backbone``:
+    the served backbone, or a :class:`ModelInfo` of one in another process, for which the pool checks
+    requests (:meth:`validate`) and builds no decoder."""
 
     def __init__(self, backbone, config: dict[str, Any]) -> None:
         dec_cls, options, parts = validate_config(config)
@@ -59,8 +72,9 @@ class DecoderPool:
         self.backbone = backbone
         self.config = dump_config(dec_cls.name, options)
         self.name = dec_cls.name
-        self.base: Decoder = dec_cls(backbone, options, parts)
+        self.base: Decoder | None = None if isinstance(backbone, ModelInfo) else dec_cls(backbone, options, parts)
         self._options: OrderedDict[str, tuple] = OrderedDict()  # options key -> (options, parts)
+        self._sized: OrderedDict[tuple[str, int], Any] = OrderedDict()  # (key, gen_length) -> options
         self._decoders: OrderedDict[tuple[str, int], Decoder] = OrderedDict()
         fields = dec_cls.Options.model_fields
         #: where a request's temperature goes: the decoder's own option, its drafter's, or nowhere (greedy)
@@ -70,6 +84,20 @@ class DecoderPool:
     def decoder(self, options: dict[str, Any] | None, temperature: float | None, max_tokens: int | None,
                 prompt_len: int) -> Decoder:
         """The decoder of one request (cached); raises a :class:`RequestError` naming the field."""
+        key, gen_length, opts, parts = self.validate(options, temperature, max_tokens, prompt_len)
+        if self.base is None:
+            raise RuntimeError("this pool checks requests for a backbone in another process; it builds no decoder")
+        if (key, gen_length) not in self._decoders:
+            self._decoders[key, gen_length] = type(self.base)(self.backbone, opts, parts)
+            while len(self._decoders) > CACHE_SIZE:
+                self._decoders.popitem(last=False)
+        self._decoders.move_to_end((key, gen_length))
+        return self._decoders[key, gen_length]
+
+    def validate(self, options: dict[str, Any] | None, temperature: float | None, max_tokens: int | None,
+                 prompt_len: int) -> tuple[str, int, Any, dict]:
+        """A request's decoder settings checked (cached) -> (options key, gen_length, options, parts); raises a
+        :class:`RequestError` naming the field."""
         overrides = self._overrides(options or {}, temperature)
         key = json.dumps(overrides)
         if key not in self._options:
@@ -86,7 +114,7 @@ class DecoderPool:
         opts, parts = self._options[key]
         gen_length = opts.gen_length if max_tokens is None else max_tokens
         self._check_length(prompt_len, gen_length, max_tokens is not None)
-        if (key, gen_length) not in self._decoders:
+        if (key, gen_length) not in self._sized:
             if gen_length != opts.gen_length:
                 cfg = dump_config(self.name, opts)
                 cfg.pop("decoder")
@@ -95,11 +123,11 @@ class DecoderPool:
                 except ValidationError as e:
                     raise RequestError(400, "max_tokens", f"max_tokens: {gen_length} does not fit the decoder's "
                                        f"options: {format_validation_error(e)}") from None
-            self._decoders[key, gen_length] = type(self.base)(self.backbone, opts, parts)
-            while len(self._decoders) > CACHE_SIZE:
-                self._decoders.popitem(last=False)
-        self._decoders.move_to_end((key, gen_length))
-        return self._decoders[key, gen_length]
+            self._sized[key, gen_length] = opts
+            while len(self._sized) > CACHE_SIZE:
+                self._sized.popitem(last=False)
+        self._sized.move_to_end((key, gen_length))
+        return key, gen_length, self._sized[key, gen_length], parts
 
     def _overrides(self, options: dict[str, Any], temperature: float | None) -> list[str]:
         for name, instead in (("decoder", None), ("gen_length", "max_tokens"), ("seed", "seed")):

@@ -49,6 +49,8 @@ def serve_forever(state: ServeState, host: str, port: int, log_level: str = "inf
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown: the exit is clean
         pass
+    finally:  # stopped already by the app's lifespan, unless a signal came before uvicorn started
+        state.engine.stop(0.0)
 
 
 class BackgroundServer:
