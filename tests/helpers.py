@@ -129,3 +129,22 @@ def endless_backbone(path: str):
     bb = Backbone.from_pretrained(path)
     bb.eos_ids = set()
     return bb
+
+
+def decode_eager_and_compiled(tokenizer, attention: str, config: dict, compile_mode: str):
+    """Decode three random prompts alone and as a batch with ``config`` on a tiny Qwen3, eager and under
+    ``--compile compile_mode`` (the same weights); assert the same token ids and forwards; -> the compiled
+    Backbone."""
+    from refusion.core.config import build_decoder
+    from refusion.models.backend import Backbone
+
+    model = make_tiny_qwen3(len(tokenizer), attention=attention)
+    eager, compiled = Backbone(model, tokenizer), Backbone(model, tokenizer, compile=compile_mode)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    cfg = {**config, "gen_length": 16}
+    want, got = build_decoder(eager, cfg), build_decoder(compiled, cfg)
+    assert [got.generate(p).token_ids for p in prompts] == [want.generate(p).token_ids for p in prompts]
+    assert [r.token_ids for r in got.generate_batch(prompts)] == [r.token_ids for r in want.generate_batch(prompts)]
+    assert compiled.nfe == eager.nfe  # the same forwards, counted the same way
+    return compiled

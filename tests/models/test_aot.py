@@ -10,11 +10,12 @@ import torch
 
 from refusion.core.config import build_decoder
 from refusion.models import aot
-from refusion.models.aot import AotForward, CallKind, package_key
+from refusion.models.aot import CallKind, package_key
 from refusion.models.backend import Backbone
 from refusion.models.ragged_forward import install_row_head
 from refusion.models.loading import RuntimeOptionError, Runtime, cpp_compiler
 from refusion.testing.models import make_tiny_qwen3
+from helpers import decode_eager_and_compiled
 
 CASES = [  # (model attention, decoder config)
     ("causal", {"decoder": "ar"}),
@@ -36,17 +37,8 @@ def export_only(monkeypatch):
     monkeypatch.setattr(aot, "aoti_runner", _exported_only)
 
 
-def _decode_both(char_tokenizer, attention, config, compile_mode="aot"):
-    model = make_tiny_qwen3(len(char_tokenizer), attention=attention)
-    eager, compiled = Backbone(model, char_tokenizer), Backbone(model, char_tokenizer, compile=compile_mode)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in (5, 9, 3)]
-    cfg = {**config, "gen_length": 16}
-    want, got = build_decoder(eager, cfg), build_decoder(compiled, cfg)
-    assert [got.generate(p).token_ids for p in prompts] == [want.generate(p).token_ids for p in prompts]
-    assert [r.token_ids for r in got.generate_batch(prompts)] == [r.token_ids for r in want.generate_batch(prompts)]
-    assert compiled.nfe == eager.nfe
-    return compiled
+def _decode_both(char_tokenizer, attention, config):
+    return decode_eager_and_compiled(char_tokenizer, attention, config, "aot")
 
 
 @pytest.mark.parametrize("attention, config", CASES, ids=[f"{c['decoder']}-{a}" for a, c in CASES])

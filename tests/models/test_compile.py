@@ -6,12 +6,12 @@ two models compiled in one process."""
 import pytest
 import torch
 
-from refusion.core.config import build_decoder
 from refusion.core.loop import ForwardRequest
 from refusion.models.backend import Backbone
 from refusion.models.kvcache import RaggedCache
 from refusion.models.loading import cpp_compiler
 from refusion.testing.models import make_tiny_qwen3
+from helpers import decode_eager_and_compiled
 
 
 CASES = [  # (model attention, decoder config)
@@ -148,14 +148,5 @@ def test_ragged_buffers_are_wider_than_every_forward(char_tokenizer):
 @pytest.mark.slow  # minutes: inductor compiles C++ kernels for each graph
 @pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_forwards_decode_the_same_tokens(char_tokenizer, attention, config):
-    model = make_tiny_qwen3(len(char_tokenizer), attention=attention)
-    eager = Backbone(model, char_tokenizer)
-    compiled = Backbone(model, char_tokenizer, compile="default")  # the same weights
-    assert compiled._call is not model and compiled.compile == "default"
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in (5, 9, 3)]
-    cfg = {**config, "gen_length": 16}
-    want, got = build_decoder(eager, cfg), build_decoder(compiled, cfg)
-    assert [got.generate(p).token_ids for p in prompts] == [want.generate(p).token_ids for p in prompts]
-    assert [r.token_ids for r in got.generate_batch(prompts)] == [r.token_ids for r in want.generate_batch(prompts)]
-    assert compiled.nfe == eager.nfe  # the same forwards, counted the same way
+    compiled = decode_eager_and_compiled(char_tokenizer, attention, config, "default")  # the same weights
+    assert compiled._call is not compiled.model and compiled.compile == "default"
