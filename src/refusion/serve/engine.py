@@ -99,6 +99,19 @@ def _put_all(items: list[tuple[Callable[[tuple], None], tuple]]) -> None:
         put(event)
 
 
+def hand_over(items: list[tuple[LoopSink, tuple]]) -> None:
+    """Hand ``(sink, event)`` pairs to their sinks' event loops, one ``call_soon_threadsafe`` per loop, each
+    loop's events in the order given; a closed loop (nobody listens any more) is skipped."""
+    by_loop: dict[object, list[tuple[Callable[[tuple], None], tuple]]] = {}
+    for sink, event in items:
+        by_loop.setdefault(sink.loop, []).append((sink.put, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop has closed
+            pass
+
+
 class Job:
     """One request in the engine: its prompt, its decoder, its seed, its deadline and its sink."""
 
@@ -280,17 +293,13 @@ class Engine:
             return
         events = self._outbox[:]
         self._outbox.clear()  # the same list: admitted jobs hold it
-        by_loop: dict[object, list[tuple[Callable[[tuple], None], tuple]]] = {}
+        to_loops: list[tuple[LoopSink, tuple]] = []
         for job, event in events:
             if isinstance(job.sink, LoopSink):
-                by_loop.setdefault(job.sink.loop, []).append((job.sink.put, event))
+                to_loops.append((job.sink, event))
             else:
                 job.deliver(event)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the event loop has closed: nobody listens any more
-                pass
+        hand_over(to_loops)
 
     def _count_calls(self) -> None:
         """Add the model calls, tokens fed, tokens generated and engine-thread CPU time since the last count

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refusion.serve.app import ServeState
-from refusion.serve.engine import Engine, Job, LoopSink, _put_all
+from refusion.serve.engine import Engine, Job, LoopSink, _put_all, hand_over
 from refusion.serve.metrics import resident_bytes, server_metrics
 from refusion.serve.options import DecoderPool, ModelInfo
 from refusion.serve.protocol import RequestError
@@ -87,7 +87,6 @@ class _PipeLoop:
     def __init__(self, conn) -> None:
         self.conn, self.lock = conn, threading.Lock()
         self.ended: collections.deque[int] = collections.deque()  # jobs whose last event went out
-
 
     def send(self, message: tuple) -> None:
         try:
@@ -347,7 +346,7 @@ class EngineProcess:
                 slot[0].set()
 
     def _dispatch(self, events: list[tuple[int, tuple]]) -> None:
-        by_loop: dict[object, list] = {}
+        to_loops: list[tuple[LoopSink, tuple]] = []
         with self._lock:
             for jid, event in events:
                 job = self._jobs.get(jid)
@@ -355,12 +354,8 @@ class EngineProcess:
                     continue
                 if event[0] != "commit":
                     del self._jobs[jid]
-                by_loop.setdefault(job.sink.loop, []).append((job.sink.put, event))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the event loop has closed
-                pass
+                to_loops.append((job.sink, event))
+        hand_over(to_loops)
 
     def _died(self) -> None:
         self.process.join(timeout=5)
@@ -369,17 +364,7 @@ class EngineProcess:
             open_jobs, self._jobs = list(self._jobs.items()), {}
         print(f"refusion serve: {self.dead}; failing its {len(open_jobs)} open requests with 500, new requests "
               "get 503", file=sys.stderr, flush=True)
-        self._dispatch_failed(open_jobs)
-
-    def _dispatch_failed(self, jobs: list[tuple[int, RemoteJob]]) -> None:
-        by_loop: dict[object, list] = {}
-        for _, job in jobs:
-            by_loop.setdefault(job.sink.loop, []).append((job.sink.put, ("error", 500, self.dead)))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+        hand_over([(job.sink, ("error", 500, self.dead)) for _, job in open_jobs])
 
 
 class ProcessServeState(ServeState):
