@@ -1,8 +1,8 @@
 """Served against offline throughput, and the serving goals, per bench row on one tinybench task.
 
 For each row (a decoder on its shipped model with the bench config's settings for the task) this starts
-``refusion serve --bench-row ROW --task TASK --threads 1`` in a subprocess and, from this process, runs
-the ``--parts`` asked for (default all three):
+``refusion serve --bench-row ROW --task TASK --threads 1`` (its engine in a process of its own, the default)
+in a subprocess and, from this process, runs the ``--parts`` asked for (default all three):
 
 ``ratio``  batch-bench's measurement at batch 16 (the task's first ``--limit`` prompts in chunks of 16
            through ``Decoder.generate_batch`` on one torch thread; tokens/s = generated tokens / summed
@@ -25,11 +25,13 @@ The exit code is 1 when a goal is not met.
 
     python scripts/serve_bench.py --rows ar,refusion,llada,block,spec-diffusion --task arith --out runs/serve_bench
     python scripts/serve_bench.py --rows refusion --parts ratio --rounds 3 --out runs/serve_ratio
-    python scripts/serve_bench.py --rows ar --parts ratio --rounds 2 --compare-serve-args=--engine-process
+    python scripts/serve_bench.py --rows ar --parts ratio --rounds 2 --compare-serve-args="--engine thread"
 
-``--serve-args`` adds flags to every server (``--serve-args=--engine-process``, with ``=`` as a lone flag
-needs: the engine in a process of its own); ``--compare-serve-args`` starts a second server of the row with more flags, measured in the same rounds
-(batch-bench, the first server, the second, in reverse order every other round), a table row each.
+``--serve-args`` adds flags to every server (``--serve-args="--engine thread"``: the engine in a thread of the
+HTTP process; ``=`` where the value is one flag alone); ``--compare-serve-args`` starts a second server of the
+row with more flags, measured in the same rounds (batch-bench, the first server, the second, in reverse order
+every other round), a table row each. Table rows are named by the row and its serve flags: ``block`` (the
+defaults), ``block (--engine thread)``.
 """
 
 from __future__ import annotations
@@ -142,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goal-requests", type=int, default=500)
     ap.add_argument("--disconnect-fraction", type=float, default=0.1)
     ap.add_argument("--serve-args", default="", help="more flags for refusion serve (e.g. '--admit-min 1', "
-                    "'--engine-process')")
+                    "'--engine thread')")
     ap.add_argument("--compare-serve-args", default=None,
-                    help="ratio part: also serve with these flags added (e.g. '--engine-process'), a second server "
+                    help="ratio part: also serve with these flags added (e.g. '--engine thread'), a second server "
                          "measured in the same rounds, the sides in turn")
     ap.add_argument("--out", type=Path, default=Path("runs/serve_bench"))
     args = ap.parse_args(argv)
@@ -214,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(results: list[dict]) -> str:
-    """docs/serving.md's tables of ``results`` (the parts each row has), through the project's table renderer."""
+    """docs/serving.md's tables of ``results`` (the parts each row has), through the project's table renderer;
+    a row is named by its bench row and the serve flags it ran with, e.g. ``block (--engine thread)``."""
+    def label(r: dict, part: dict | None = None) -> str:  # part: a ratio with serve args of its own
+        serve_args = (part or {}).get("serve_args", r.get("serve_args", ""))
+        return f"{r['row']} ({serve_args})" if serve_args else r["row"]
+
     def f(v) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
@@ -225,7 +232,7 @@ def markdown(results: list[dict]) -> str:
         return sum(x[key] for x in rounds) / len(rounds)
 
     out = []
-    table = [[r["row"], str(c), f"{t['tokens_per_s']:.0f}", f"{t['requests_per_s']:.2f}",
+    table = [[label(r), str(c), f"{t['tokens_per_s']:.0f}", f"{t['requests_per_s']:.2f}",
               " / ".join(f(t["ttft_ms"][k]) for k in ("p50", "p95", "p99")),
               " / ".join(f(t["itl_ms"][k]) for k in ("p50", "p95", "p99")), str(sum(t["errors"].values()))]
              for r in results for c, t in r.get("concurrency", {}).items()]
@@ -236,9 +243,8 @@ def markdown(results: list[dict]) -> str:
     for r, x in [(r, r[key]) for r in results for key in ("ratio", "ratio_compare") if key in r]:
         rounds = x["rounds"]
         counted = "served_engine_cpu_s" in rounds[0]  # runs before the engine's own counters have none
-        serve_args = x.get("serve_args", r.get("serve_args", ""))
         ratio.append([
-            f"{r['row']} ({serve_args})" if serve_args else r["row"], f"{x['offline_tokens_per_s']:.0f}", f"{x['served_tokens_per_s']:.0f}",
+            label(r, x), f"{x['offline_tokens_per_s']:.0f}", f"{x['served_tokens_per_s']:.0f}",
             f"{x['ratio']:.2f} ({x['ratio_low']:.2f} - {x['ratio_high']:.2f})",
             f"{x['cpu_ratio']:.2f} ({x['cpu_ratio_low']:.2f} - {x['cpu_ratio_high']:.2f})",
             f"{mean(rounds, 'offline_calls'):.0f} / {mean(rounds, 'served_calls'):.0f}" if counted else "-",
@@ -260,7 +266,7 @@ def markdown(results: list[dict]) -> str:
         met = [name for name, ok, _ in r["verdicts"] if ok]
         unmet = [name for name, ok, _ in r["verdicts"] if not ok]
         goal.append([
-            r["row"], f"{g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / {g['not_sent']} / "
+            label(r), f"{g['completed']} / {g['disconnected']} / {sum(g['errors'].values())} / {g['not_sent']} / "
             f"{g['delivery']['lost']}", f"{g['offline']['differ']} of {g['offline']['compared']}",
             f"{f(srv['batch_size_after'])}, {f(srv['queue_after'])}", f"{srv['cancelled_disconnect']:.0f}",
             f"{f(srv['rss_mb_first_half_max'])} / {f(srv['rss_mb_second_half_max'])}", f"{g['wall_s']:.0f}",

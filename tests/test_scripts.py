@@ -211,19 +211,19 @@ def test_stage_tokens_sorts_every_fed_token_by_stage(capsys):
 def test_serve_bench_runs_the_goal_and_the_ratio_on_a_small_load(tmp_path, capsys):
     pytest.importorskip("uvicorn")
     code = run_script("serve_bench.py", "--rows", "block", "--parts", "ratio,goal", "--limit", "16", "--rounds", "2",
-                      "--goal-requests", "20", "--compare-serve-args=--engine-process", "--out", str(tmp_path))
+                      "--goal-requests", "20", "--compare-serve-args=--engine thread", "--out", str(tmp_path))
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "serve_bench.json").read_text())[0]
     # every verdict met; the memory one needs a run of 2 s or more (an RSS sample in each half)
     assert code == 0 and "NOT MET" not in out and out.count("MET: ") == len(result["verdicts"]) >= 5
     assert result["goal"]["disconnected"] == 2 and result["goal"]["offline"]["differ"] == 0
     assert result["ratio"]["same_tokens"] and result["ratio"]["ratio_low"] <= result["ratio"]["ratio"]
-    other = result["ratio_compare"]  # the second server, --engine-process, in the same rounds
-    assert other["same_tokens"] and other["serve_args"] == "--engine-process"
+    other = result["ratio_compare"]  # the second server, --engine thread, in the same rounds as the default
+    assert other["same_tokens"] and other["serve_args"] == "--engine thread"
     assert [r["offline_s"] for r in other["rounds"]] == [r["offline_s"] for r in result["ratio"]["rounds"]]
     assert all(r["served_engine_cpu_s"] > 0 for r in other["rounds"])
     md = (tmp_path / "serve_bench.md").read_text()
-    assert "| block |" in md and "| block (--engine-process) |" in md and result["compare_server_exit"] == 0
+    assert "| block |" in md and "| block (--engine thread) |" in md and result["compare_server_exit"] == 0
 
 
 def test_cost_model_refit_predicts_decodes_of_a_known_cost(tmp_path, capsys):

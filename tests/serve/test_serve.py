@@ -1,8 +1,8 @@
 """`refusion serve` against the official openai client on 127.0.0.1: completions, chat, streams, stop
 strings, per-request decoder options, errors; every served output token-identical to the offline decode
 (Decoder.generate) of the same prompt and config, while requests share a running batch. The ``server``
-fixture's tests run with the engine in a thread and in a process of its own (``--engine-process``), whose
-hang-ups, 429s, 504s, shutdown, death and metrics the last tests check."""
+fixture's tests run with the engine in a thread (``--engine thread``) and in a process of its own (the
+default, ``--engine process``), whose hang-ups, 429s, 504s, shutdown, death and metrics the last tests check."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ ENGINE_SETTINGS = ("max_batch", "max_queue", "admit_min", "admit_wait_s", "call_
 
 def start(model: str, config: dict, process: bool = False, load=None, **settings) -> BackgroundServer:
     """A server of ``model`` and ``config`` on a free port; ``process``: its engine in a process of its own
-    (``refusion serve --engine-process``), its backbone from ``load(path)`` (default: the model's)."""
+    (``refusion serve``'s default, ``--engine process``), its backbone from ``load(path)`` (default: the model's)."""
     if process:
         from refusion.serve.engine_process import EngineSpec, create_process_state
 
@@ -432,7 +432,7 @@ def test_a_full_queue_answers_429():
 
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
 def test_shutdown_finishes_what_is_queued_and_running_then_refuses(process):
-    """... then, with --engine-process, the engine process exits."""
+    """... then, with --engine process, the engine process exits."""
     model, config = SERVED["ar"]
     srv = (endless_process if process else endless)(max_batch=2, shutdown_grace_s=30)
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -583,7 +583,7 @@ def test_the_events_of_a_step_reach_an_event_loop_in_one_wake_up():
     assert loop.wakeups <= calls + 1
 
 
-# ---------------------------------------------------------------- refusion serve --engine-process
+# ---------------------------------------------------------------- refusion serve --engine process
 
 
 def endless_process(**settings):

@@ -16,7 +16,7 @@ from refusion.cli import main
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--max-batch", "0"], "--max-batch"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--set", "slot_size=4"], "slot_size"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
-    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--engine-process", "--replicas", "2"], "--engine-process"),
+    (["serve", "--model", "tiny-ar", "--decoder", "ar", "--engine", "process", "--replicas", "2"], "--engine"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "100,0.01"], "--call-cost-tokens"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "100,-1,0"], "--call-cost-tokens"),
     (["serve", "--model", "tiny-ar", "--decoder", "ar", "--call-cost-tokens", "cheap"], "--call-cost-tokens"),
@@ -89,10 +89,10 @@ def test_a_decoder_whose_batch_is_its_own_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--engine-process"]])
+@pytest.mark.parametrize("extra", [[], ["--engine", "thread"]])
 def test_serve_exits_cleanly_on_sigint(extra):
-    """A terminal's Ctrl-C (SIGINT to the process group: with --engine-process, to both processes) ends the
-    server cleanly."""
+    """A terminal's Ctrl-C (SIGINT to the process group: by default, with the engine in a process of its own, to
+    both processes) ends the server cleanly."""
     import os
     import signal
     import subprocess
@@ -109,7 +109,7 @@ def test_serve_exits_cleanly_on_sigint(extra):
         line = proc.stdout.readline()
         assert line.startswith("serving ")
         url, end = line.rsplit(" ", 1)[-1].strip(), time.monotonic() + 30
-        while True:  # up: the signal reaches uvicorn's handlers (and, with --engine-process, both processes)
+        while True:  # up: the signal reaches uvicorn's handlers (by default, both processes)
             try:
                 if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
                     break

@@ -78,8 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     call_cost = parse_call_cost_tokens(args.call_cost_tokens)
     if not is_loopback(args.host) and key is None:
         print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use it")
-    if args.replicas and args.engine_process:
-        raise ConfigError("--engine-process: not with --replicas (each Ray Serve replica runs its engine in a thread)")
+    if args.replicas and args.engine == "process":
+        raise ConfigError("--engine process: not with --replicas (each Ray Serve replica runs its engine in a thread; "
+                          "leave out --engine or give --engine thread)")
     if args.replicas:
         return _serve_replicas(args, model, config, key, call_cost)
     set_threads(args.threads)
@@ -89,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     shutdown_grace_s=args.shutdown_grace, stream_interval=args.stream_interval)
     engine = dict(max_batch=args.max_batch, max_queue=args.max_queue, admit_min=args.admit_min,
                   admit_wait_s=args.admit_wait, call_cost_tokens=call_cost, align_groups=args.align_groups)
-    if args.engine_process:
+    if args.engine in (None, "process"):
         from refusion.serve.engine_process import EngineSpec, create_process_state
 
         spec = EngineSpec(str(path), config, engine, threads=args.threads,
@@ -97,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             state = create_process_state(spec, args.served_model_name or str(model), str(path), **settings)
         except RuntimeError as e:
-            raise ConfigError(f"--engine-process: {e}") from None
+            raise ConfigError(f"--engine process: {e}") from None
     else:
         backbone = Backbone.from_pretrained(path, **runtime, trust_remote_code=args.trust_remote_code)
         state = create_state(backbone, config, args.served_model_name or str(model), str(path), **engine,
@@ -197,9 +198,11 @@ def add_serve_commands(sub, add_model_args) -> None:
     s.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL, metavar="N",
                    help=f"a request's commits are sent once N tokens are pending (its first at once, the rest at "
                         f"its end): fewer, larger chunks (default {STREAM_INTERVAL}; 1: every commit)")
-    s.add_argument("--engine-process", action="store_true",
-                   help="run the engine (model, batch, decoding) in a process of its own, so that the HTTP side "
-                        "(event loop, JSON, tokenizer) never holds its interpreter; events cross by a pipe")
+    s.add_argument("--engine", choices=["process", "thread"], default=None,
+                   help="where the engine (model, batch, decoding) runs: process (the default), a process of its "
+                        "own whose events cross by a pipe, so the HTTP side (event loop, JSON, tokenizer) never "
+                        "waits for the engine's interpreter; thread, a thread of the HTTP process. With --replicas "
+                        "each replica's engine runs in a thread (thread only)")
     s.add_argument("--api-key-file", help="file holding the API key clients must send as 'Authorization: Bearer KEY'")
     s.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
                    help=f"seconds a request may take from arrival to its last token (default {REQUEST_TIMEOUT_S:g})")

@@ -1,5 +1,5 @@
-"""The engine in a process of its own (``refusion serve --engine-process``), as vLLM's V1 engine core and
-SGLang's scheduler run: the HTTP side never holds the engine's interpreter.
+"""The engine in a process of its own (``refusion serve``'s default, ``--engine process``), as vLLM's V1
+engine core and SGLang's scheduler run: the HTTP side never holds the engine's interpreter.
 
 The engine process (:func:`engine_main`, started with ``spawn``) loads the model and runs
 :class:`~refusion.serve.engine.Engine` unchanged; the HTTP process keeps the tokenizer, request validation

@@ -51,7 +51,7 @@ def flatten(options: dict[str, Any], prefix: str = "") -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """What requests are checked against when the backbone lives in another process (``refusion serve
-    --engine-process``): its tokenizer, EOS ids and maximum positions."""
+    --engine process``, the default): its tokenizer, EOS ids and maximum positions."""
 
     tokenizer: Any
     eos_ids: set[int]
