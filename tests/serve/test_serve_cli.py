@@ -28,6 +28,19 @@ def test_bad_flags_are_refused_naming_them(args, field, capsys):
     assert field in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [[], ["--engine", "thread"]])
+def test_replicas_run_their_engines_in_threads_by_default(extra, monkeypatch):
+    """``--replicas`` runs each replica's engine in a thread: without ``--engine``, or with ``--engine thread``,
+    it goes on to Ray Serve (here a stand-in) where ``--engine process`` is refused."""
+    pytest.importorskip("uvicorn")
+    import refusion.serve.cli as serve_cli
+
+    called = []
+    monkeypatch.setattr(serve_cli, "_serve_replicas", lambda args, *rest: called.append(args.replicas) or 0)
+    assert main(["serve", "--model", "tiny-ar", "--decoder", "ar", "--replicas", "2", *extra]) == 0
+    assert called == [2]
+
+
 def test_the_call_price_by_flag_and_device():
     """``--call-cost-tokens``: auto is the CPU's price there and off elsewhere; N alone keeps the device's key
     and pair terms (the CPU's, or none); three numbers set all; the engine names the flag on a bad price."""
