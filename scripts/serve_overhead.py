@@ -14,15 +14,18 @@ mode decodes every prompt once; ``--rounds`` interleaved rounds (the order rever
 ``engine-width``    the same with calls split by width alone (the call price's key and pair terms 0: the
                     policy before calls by cached length);
 ``server``          the same engine inside the HTTP server (in this process, uvicorn on its own thread),
-                    driven by ``refusion loadtest --concurrency 16`` in a subprocess.
+                    driven by ``refusion loadtest --concurrency 16`` in a subprocess;
+``offline-one-group``, ``engine-one-group``
+                    ``offline`` and ``engine`` with every row of a batched forward attending over the longest
+                    row's keys (``Backbone.group_keys`` None: no key groups, models/ragged_forward.py).
 
 Per mode, on the decoding thread (the engine thread for the last two): its CPU seconds (``RUSAGE_THREAD``,
 user and system; the engine's ``refusion_engine_cpu_seconds_total`` for ``server``), minor page faults,
 model calls, tokens fed (padding included), and its CPU time split into the model's forward
 (``Backbone.forward``), the batch cache's work around it (``RaggedCache.forward`` less the model: masks,
 row gathers, KV copies) and the rest (the decoders' loops, the engine's bookkeeping). Per model call of
-the batch cache, what its attention spans: (row, key) pairs (every row's keys padded to the call's key
-width, its longest row's cached length plus the tokens fed) and query-key pairs (every fed position, padding
+the batch cache, what its attention spans: (row, key) pairs (every row's keys padded to its key group's
+width, the group's longest row's cached length plus the tokens fed) and query-key pairs (every fed position, padding
 included, against that width), each beside what the rows' own lengths need (row r: ``fed_r`` queries
 over its own ``length_r + fed_r`` keys), over every batch-cache call (a speculative decode's drafter's
 too); and the seconds the padding costs by the cost model's CPU figures (the pooled cold fit of
@@ -59,7 +62,8 @@ from refusion.serve.engine import CALL_PRICE_CPU, TOKEN_S_CPU, Engine, Job, call
 from refusion.serve.server import BackgroundServer, create_state
 from refusion.tasks import get_task
 
-MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server")
+MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server", "offline-one-group",
+         "engine-one-group")
 #: CPU seconds of the decoding thread inside each timed function (one decoding thread runs at a time)
 spent = {"model": 0.0, "cache": 0.0}
 #: per batch-cache model call: (row, key) pairs padded and the rows' own, query-key pairs padded and own
@@ -73,10 +77,12 @@ def record_spans() -> None:
     def wrapper(cache, requests):
         fed = [(row, request.ids.shape[-1]) for request in requests for row in request.cache.rows]
         width = max(n for _, n in fed)  # every row is padded to it
-        keys = max(cache.lengths[row] for row, _ in fed) + width  # every row's keys are padded to it
         own = [cache.lengths[row] + n for row, n in fed]
-        spans.append((len(fed) * keys, sum(own), len(fed) * width * keys, sum(n * k for (_, n), k in zip(fed, own))))
-        return inner(cache, requests)
+        before = cache.pairs_attended
+        out = inner(cache, requests)
+        keys = cache.pairs_attended - before  # every row's keys padded to its key group's longest row's
+        spans.append((keys, sum(own), width * keys, sum(n * k for (_, n), k in zip(fed, own))))
+        return out
 
     RaggedCache.forward = wrapper
 
@@ -217,8 +223,16 @@ def main() -> None:
         time.sleep(0.1)  # the engine counts its CPU time as it goes idle
         return {"user": server.state.engine.metrics.value(metric) - cpu, "sys": 0.0, "faults": None}
 
+    def one_group(fn) -> dict:
+        keep, bb.group_keys = bb.group_keys, None
+        try:
+            return fn()
+        finally:
+            bb.group_keys = keep
+
     run = {"offline": batches, "offline-thread": lambda: in_thread(batches), "offline-loop": with_loop,
-           "engine": engine, "engine-width": lambda: engine(CallPrice(CALL_PRICE_CPU.call)), "server": served}
+           "engine": engine, "engine-width": lambda: engine(CallPrice(CALL_PRICE_CPU.call)), "server": served,
+           "offline-one-group": lambda: one_group(batches), "engine-one-group": lambda: one_group(engine)}
     batches()  # warm-up
     for m in modes[1:]:
         run[m]()

@@ -31,7 +31,7 @@ from refusion.core.errors import MaskTokenError
 from refusion.models.aot import AotForward
 from refusion.models.loading import AOT_MODE, resolve_model_path
 from refusion.models.kvcache import DenseCache
-from refusion.models.ragged_forward import OffsetLayer, install_row_head
+from refusion.models.ragged_forward import GROUP_KEYS_CPU, OffsetLayer, install_key_groups, install_row_head
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -141,6 +141,13 @@ class Backbone:
         #: whether a batched forward can run the output head on each row's own positions; its hook goes in
         #: now, before any compiled call (:func:`~refusion.models.ragged_forward.install_row_head` says why)
         self.head_per_row = install_row_head(self.model)
+        #: one more attention group's price in (row, key) pairs in a batched forward, where consecutive rows
+        #: whose keys end early attend over fewer keys (:func:`~refusion.models.ragged_forward.key_groups`);
+        #: None: every row over the longest row's keys. Default: :data:`~refusion.models.ragged_forward.GROUP_KEYS_CPU`
+        #: for an uncompiled model attending through sdpa on the CPU, else None
+        self.group_keys: float | None = None
+        if compile is None and next(self.model.parameters()).device.type == "cpu" and install_key_groups(self.model):
+            self.group_keys = GROUP_KEYS_CPU
         #: the ``--compile`` mode the forwards run under (None: eager); see :func:`compiled_call`, and
         #: :class:`~refusion.models.aot.AotForward` for ``aot`` (whose other calls run ``default``)
         self.compile = compile

@@ -12,11 +12,11 @@ decoding loop runs unchanged on either.
   ``C``; row ``r`` holds its ``lengths[r]`` tokens at columns ``0 .. lengths[r]-1``, in the order the
   sequence's single-row cache would hold them. A forward writes each row's new tokens right after that
   row's own length (a per-row offset, no gaps) and attends with a per-row mask, so no row pays for
-  another row's length beyond the padding of the key dimension to the longest row. Crop is a change of
+  another row's length beyond the padding of the key dimension to the longest row (of its key group). Crop is a change of
   a host integer; forking, reordering and dropping rows change a host mapping, which the next forward
   applies in one gather over rows. The forwards of several sequences run as one model call
   (:meth:`RaggedCache.forward`); :mod:`refusion.models.ragged_forward` holds its transformers side (the
-  offset cache layer and the per-row output head).
+  offset cache layer, the per-row output head and the key groups: :func:`~refusion.models.ragged_forward.key_groups`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from refusion.core.host import from_host
 from refusion.core.loop import ForwardRequest
 from refusion.core.masks import additive_mask, segment_allowed
 from refusion.models.ragged_forward import (  # noqa: F401  (OffsetLayer: also importable from here)
-    OffsetLayer, grow_columns, head_on_rows, install_row_head, offset_cache)
+    OffsetLayer, attend_in_groups, grow_columns, head_on_rows, install_row_head, key_groups, offset_cache)
 
 if TYPE_CHECKING:
     from refusion.models.backend import Backbone
@@ -144,6 +144,7 @@ class RaggedCache:
         self.backbone = backbone
         self.n_layers, self.n_kv_heads, self.head_dim = kv_geometry(backbone.model.config)
         self._head_per_row = install_row_head(backbone.model)  # installed by the Backbone already
+        self.pairs_attended = 0  # (row, key) pairs the forwards attended, each row padded to its group's keys
         self.keys: list[Tensor] = []  # per layer [rows of the buffers, n_kv_heads, C, head_dim]
         self.values: list[Tensor] = []
         self.lengths: list[int] = []  # per logical row
@@ -290,6 +291,8 @@ class RaggedCache:
         wanted = [req.columns() if req.logits_at is not None else None for req in requests]
         union = sorted(set(c for cols in wanted if cols for c in cols))
         any_logits = any(cols is not None for cols in wanted)
+        groups = key_groups([n + T for n in lengths], T, bb.group_keys)  # None: all over the longest row's keys
+        self.pairs_attended += sum((b - a) * w for a, b, w in groups or [(0, n, width)])
         row_of: list[int] = []  # per kept (row, column) pair, request after request, row after row
         col_of: list[int] = []
         for start, req, cols in zip(_starts(requests), requests, wanted):
@@ -299,12 +302,13 @@ class RaggedCache:
         flat = logits = None
         if self._head_per_row and 0 < len(row_of) < len(rows) * len(union):
             # rows ask for different columns: the head runs on each row's own positions only
-            with head_on_rows(bb.model, from_host(row_of, dev, torch.long)):
+            with head_on_rows(bb.model, from_host(row_of, dev, torch.long)), attend_in_groups(bb.model, groups):
                 flat = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask,
                                   logits_at=from_host(col_of, dev, torch.long), kind=kind)[0]  # [N, V]
         else:
-            logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask, kind=kind,
-                                logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
+            with attend_in_groups(bb.model, groups):
+                logits = bb.forward(ids, pos, cache, keep_kv=True, attn_mask=mask, kind=kind,
+                                    logits_at=from_host(union, dev, torch.long) if any_logits else None)  # [R', n_union, V]
         if gathered is not None:  # the buffers hold logical row rows[i] at row i now
             self.keys, self.values = gathered
             for i, r in enumerate(rows):

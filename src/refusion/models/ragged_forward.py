@@ -1,6 +1,8 @@
 """The transformers side of a ragged batch's forward (:class:`~refusion.models.kvcache.RaggedCache`): a cache
 layer that writes each row's new keys and values at that row's own column offset, the buffers it writes into,
-and the output-head hook that computes logits only at each row's own requested positions."""
+the output-head hook that computes logits only at each row's own requested positions, and attention in key
+groups: consecutive rows whose own keys end early attend over their own shorter key width, in an sdpa call of
+their own inside the same forward, instead of over the call's longest row's keys."""
 
 from __future__ import annotations
 
@@ -11,6 +13,20 @@ import torch
 from torch import Tensor
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+#: the attention implementation :func:`install_key_groups` gives a model: sdpa, in key groups while a ragged
+#: forward sets them (:func:`attend_in_groups`), plain sdpa otherwise
+GROUPED_SDPA = "refusion_grouped_sdpa"
+#: on the CPU, one more attention group in a forward costs about as much as this many (row, key) pairs
+#: attended (tiny-ar, 4 layers: an sdpa call, its slices and the concatenation, against ~1 us per pair and
+#: forward; ``scripts/serve_overhead.py`` measures the served calls with and without groups)
+GROUP_KEYS_CPU = 100.0
+#: a query-key pair's cost over a (row, key) pair's (the cost model's 65 ns over 1.24 us): a row fed T tokens
+#: over W keys costs W * (1 + T * PAIR_PER_KEY) (row, key) pairs
+PAIR_PER_KEY = 65e-9 / 1.24e-6
 
 
 class OffsetLayer(DynamicLayer):
@@ -132,3 +148,92 @@ def head_on_rows(model, row_of: Tensor):
     finally:
         head.refusion_rows = None
         del model.refusion_logits_rows
+
+
+class KeyGroups:
+    """What a model's attention modules read (:func:`install_key_groups`): ``groups``, while a ragged forward
+    runs in key groups, is ``[(first row, end row, key width), ...]`` covering the forward's rows in order;
+    None: one sdpa call over every row's keys."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, int, int]] | None = None
+
+
+def _grouped_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):
+    """transformers' sdpa attention (``query [B, H, T, D]``, ``key / value [B, Hkv, W, D]``, mask
+    ``[B, 1, T, W]``) run per key group: rows ``a .. b-1`` attend over their first ``w`` keys only. Outside
+    a grouped forward it is sdpa unchanged. Returns ``([B, T, H, D], None)`` as sdpa does."""
+    holder = getattr(module, "refusion_key_groups", None)
+    groups = None if holder is None else holder.groups
+    if groups is None or attention_mask is None or attention_mask.dim() != 4:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = [sdpa_attention_forward(module, query[a:b], key[a:b, :, :w], value[a:b, :, :w],
+                                   attention_mask[a:b, :, :, :w], **kwargs)[0] for a, b, w in groups]
+    return torch.cat(outs), None
+
+
+def install_key_groups(model) -> bool:
+    """Give ``model``, once, attention that :func:`attend_in_groups` can split by key width: its attention
+    implementation becomes :data:`GROUPED_SDPA` (registered with transformers' attention and mask interfaces,
+    sdpa's mask) and its attention modules share one :class:`KeyGroups`. Only for a transformers model
+    attending through sdpa (eager and flash attention, remote-code adapters stay as they are); returns whether
+    the model has it."""
+    if getattr(model, "refusion_key_groups", None) is not None:
+        return True
+    if not isinstance(model, PreTrainedModel) or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    ALL_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, _grouped_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)
+    model.set_attn_implementation(GROUPED_SDPA)
+    if model.config._attn_implementation != GROUPED_SDPA:  # the model does not take a custom implementation
+        return False
+    holder = KeyGroups()
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups"):  # transformers' attention modules
+            module.refusion_key_groups = holder
+    model.refusion_key_groups = holder
+    return True
+
+
+def key_groups(needs: list[int], fed: int, group_keys: float | None) -> list[tuple[int, int, int]] | None:
+    """The cheapest split of a forward's rows, in order, into consecutive groups, each attending over its
+    longest row's own keys (``needs [R]``: each row's cached length plus the forward's width ``fed``); a row
+    over ``w`` keys costs ``w * (1 + fed * PAIR_PER_KEY)`` (row, key) pairs and each group after the first
+    ``group_keys`` (None: no groups). Returns ``[(first row, end row, width), ...]``, or None where one group
+    is cheapest. Over 64 rows, group boundaries fall on every ``ceil(R / 64)``-th row only."""
+    n = len(needs)
+    if group_keys is None or n < 2:
+        return None
+    per_key = 1.0 + fed * PAIR_PER_KEY
+    step = -(-n // 64)
+    cuts = list(range(0, n, step)) + [n]  # candidate group boundaries
+    # best[j]: least cost of rows cuts[0] .. cuts[j]-1; start[j]: where its last group begins (an index of cuts)
+    best, start = [0.0] + [float("inf")] * (len(cuts) - 1), [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        widest = 0
+        for i in range(j - 1, -1, -1):  # the group cuts[i] .. cuts[j]-1, grown leftwards
+            widest = max(widest, max(needs[cuts[i]: cuts[i + 1]]))
+            cost = best[i] + group_keys + (cuts[j] - cuts[i]) * widest * per_key
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    groups, j = [], len(cuts) - 1
+    while j:
+        i = start[j]
+        groups.append((cuts[i], cuts[j], max(needs[cuts[i]: cuts[j]])))
+        j = i
+    return groups[::-1] if len(groups) > 1 else None
+
+
+@contextmanager
+def attend_in_groups(model, groups: list[tuple[int, int, int]] | None):
+    """Within it, ``model``'s attention (:func:`install_key_groups`, which must have run when ``groups`` is
+    not None) runs in ``groups`` (:func:`key_groups`); None: as it is."""
+    if groups is None:
+        yield
+        return
+    holder = model.refusion_key_groups
+    holder.groups = groups
+    try:
+        yield
+    finally:
+        holder.groups = None
