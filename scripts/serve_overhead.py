@@ -15,9 +15,9 @@ mode decodes every prompt once; ``--rounds`` interleaved rounds (the order rever
                     policy before calls by cached length);
 ``server``          the same engine inside the HTTP server (in this process, uvicorn on its own thread),
                     driven by ``refusion loadtest --concurrency 16`` in a subprocess;
-``offline-one-group``, ``engine-one-group``
-                    ``offline`` and ``engine`` with every row of a batched forward attending over the longest
-                    row's keys (``Backbone.group_keys`` None: no key groups, models/ragged_forward.py).
+``offline-key-groups``, ``engine-key-groups``
+                    ``offline`` and ``engine`` with batched forwards in key groups (``Backbone.use_key_groups``:
+                    consecutive rows whose keys end early attend over fewer keys, models/ragged_forward.py).
 
 Per mode, on the decoding thread (the engine thread for the last two): its CPU seconds (``RUSAGE_THREAD``,
 user and system; the engine's ``refusion_engine_cpu_seconds_total`` for ``server``), minor page faults,
@@ -30,8 +30,10 @@ included, against that width), each beside what the rows' own lengths need (row 
 over its own ``length_r + fed_r`` keys), over every batch-cache call (a speculative decode's drafter's
 too); and the seconds the padding costs by the cost model's CPU figures (the pooled cold fit of
 docs/profile.md: 1.24 us per (row, key) pair, 65 ns per query-key pair: ``CALL_PRICE_CPU`` and
-``TOKEN_S_CPU`` of :mod:`refusion.serve.engine`). Prints one line per mode and round and a table of
-the medians over the rounds, with each mode's CPU over ``offline``'s.
+``TOKEN_S_CPU`` of :mod:`refusion.serve.engine`); and the model CPU time of the calls of 16 rows (the whole
+batch) with their key width (the longest row's cached length plus the tokens fed), what padded keys cost
+in calls of the same rows. Prints one line per mode and round and a table of the medians over the rounds,
+with each mode's CPU over ``offline``'s.
 
     python scripts/serve_overhead.py --row ar --rounds 5
     python scripts/serve_overhead.py --row block --modes offline,engine,server --rounds 5
@@ -62,8 +64,8 @@ from refusion.serve.engine import CALL_PRICE_CPU, TOKEN_S_CPU, Engine, Job, call
 from refusion.serve.server import BackgroundServer, create_state
 from refusion.tasks import get_task
 
-MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server", "offline-one-group",
-         "engine-one-group")
+MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server", "offline-key-groups",
+         "engine-key-groups")
 #: CPU seconds of the decoding thread inside each timed function (one decoding thread runs at a time)
 spent = {"model": 0.0, "cache": 0.0}
 #: per batch-cache model call: (row, key) pairs padded and the rows' own, query-key pairs padded and own
@@ -223,16 +225,17 @@ def main() -> None:
         time.sleep(0.1)  # the engine counts its CPU time as it goes idle
         return {"user": server.state.engine.metrics.value(metric) - cpu, "sys": 0.0, "faults": None}
 
-    def one_group(fn) -> dict:
-        keep, bb.group_keys = bb.group_keys, None
+    def key_groups(fn) -> dict:
+        bb.use_key_groups()
         try:
             return fn()
         finally:
-            bb.group_keys = keep
+            bb.use_key_groups(None)
 
     run = {"offline": batches, "offline-thread": lambda: in_thread(batches), "offline-loop": with_loop,
            "engine": engine, "engine-width": lambda: engine(CallPrice(CALL_PRICE_CPU.call)), "server": served,
-           "offline-one-group": lambda: one_group(batches), "engine-one-group": lambda: one_group(engine)}
+           "offline-key-groups": lambda: key_groups(batches), "engine-key-groups": lambda: key_groups(engine)}
+    bb.time_forwards, bb.forward_clock = True, time.thread_time  # each call's model CPU time (no sync on the CPU)
     batches()  # warm-up
     for m in modes[1:]:
         run[m]()
@@ -242,11 +245,15 @@ def main() -> None:
             nfe, fed = bb.nfe, bb.tokens_in
             spent.update(model=0.0, cache=0.0)
             spans.clear()
+            bb.forward_log = []
             x = run[m]()
             cpu = x["user"] + x["sys"]
             x.update(cpu=cpu, calls=bb.nfe - nfe, fed=bb.tokens_in - fed, model=spent["model"],
                      cache=spent["cache"] - spent["model"], rest=cpu - spent["cache"])
             keys, own_keys, pairs, own_pairs = (sum(s[k] for s in spans) for k in range(4))
+            full = [(f.seconds, f.past + f.fed) for f in bb.forward_log if f.rows == 16]  # the batch's 16-row calls
+            x.update(full_ms=1e3 * statistics.median(t for t, _ in full) if full else float("nan"),
+                     full_keys=statistics.mean(k for _, k in full) if full else float("nan"))
             x.update(cache_calls=len(spans), keys=keys / max(1, len(spans)), own_keys=own_keys / max(1, len(spans)),
                      pairs=pairs / max(1, len(spans)), own_pairs=own_pairs / max(1, len(spans)),
                      padding_s=TOKEN_S_CPU * (CALL_PRICE_CPU.key * (keys - own_keys)
@@ -271,13 +278,15 @@ def main() -> None:
                       f"{med(m, 'cache'):.3f}", f"{med(m, 'rest'):.3f}",
                       f"{med(m, 'keys'):.0f} / {med(m, 'own_keys'):.0f}",
                       f"{med(m, 'pairs'):.0f} / {med(m, 'own_pairs'):.0f}", f"{med(m, 'padding_s'):.2f}",
-                      f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})"])
+                      f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})",
+                      f"{med(m, 'full_ms'):.2f} / {med(m, 'full_keys'):.0f}"])
     print(f"{args.row} on {args.task}, {len(prompts)} prompts, {args.rounds} rounds (medians); load average "
           f"{os.getloadavg()[0]:.2f}")
     print(tables.markdown(["mode", "thread CPU s", "of it system s", "minor faults", "model calls", "tokens fed",
                            "model ms per call", "cache s (less the model)", "rest s",
                            "(row, key) pairs per call: padded / own", "query-key pairs per call: padded / own",
-                           "padding's model s (cost model)", "CPU over offline's (min - max)"], table))
+                           "padding's model s (cost model)", "CPU over offline's (min - max)",
+                           "16-row calls: model ms (median) / keys (mean)"], table))
 
 
 if __name__ == "__main__":

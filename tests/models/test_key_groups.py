@@ -1,5 +1,5 @@
-"""Attention in key groups (models/ragged_forward.py): consecutive rows of a batched forward whose keys end
-early attend over fewer keys in a group of their own. The split is the cheapest contiguous one, and a
+"""Attention in key groups (models/ragged_forward.py, opt-in: ``Backbone.use_key_groups``): consecutive rows
+of a batched forward whose keys end early attend over fewer keys in a group of their own. The split is the cheapest contiguous one, and a
 forward in groups gives each row the logits of the same forward in one group."""
 
 import itertools
@@ -66,7 +66,7 @@ def test_rows_in_key_groups_get_the_logits_of_one_group(backbone, kind):
     steps = [[5, 6], [7], [8, 9, 10], [11], [12, 13]]
     got = {}
     for price in (None, 0.5):
-        backbone.group_keys = price
+        assert backbone.use_key_groups(price) == (price is not None)
         shared = RaggedCache(backbone)
         views = [shared.new_view() for _ in prompts]
         out = []
@@ -79,7 +79,7 @@ def test_rows_in_key_groups_get_the_logits_of_one_group(backbone, kind):
                                                keep_kv=not (phase == 1 and i == 1)))
             out.append(shared.forward(requests))
         got[price] = (out, shared.pairs_attended)
-    backbone.group_keys = GROUP_KEYS_CPU
+    backbone.use_key_groups(None)
     (one, one_pairs), (grouped, grouped_pairs) = got[None], got[0.5]
     for a, b in zip(one, grouped):
         for x, y in zip(a, b):
@@ -90,17 +90,25 @@ def test_rows_in_key_groups_get_the_logits_of_one_group(backbone, kind):
     assert (one_pairs, grouped_pairs) == (5 * 40 + 5 * 43, 5 * 40 + 43 + 6 + 28 + 4 + 15)
 
 
-def test_only_an_uncompiled_sdpa_model_on_the_cpu_attends_in_groups(char_tokenizer):
+def test_key_groups_are_opt_in_and_only_for_an_uncompiled_sdpa_model(char_tokenizer):
     sdpa = Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer)
-    assert sdpa.group_keys == GROUP_KEYS_CPU and sdpa.model.config._attn_implementation == GROUPED_SDPA
+    assert sdpa.group_keys is None and sdpa.model.config._attn_implementation == "sdpa"  # off by default
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = sdpa.model(ids).logits
+    assert sdpa.use_key_groups() and sdpa.group_keys == GROUP_KEYS_CPU
+    assert sdpa.model.config._attn_implementation == GROUPED_SDPA
+    with torch.no_grad():  # outside a grouped forward the implementation is sdpa's
+        torch.testing.assert_close(sdpa.model(ids).logits, before, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="price of a group must be 0 or more"):
+        sdpa.use_key_groups(-1.0)
+    assert sdpa.group_keys == GROUP_KEYS_CPU  # a refused price changes nothing
+    assert not sdpa.use_key_groups(None) and sdpa.group_keys is None
     eager_model = make_tiny_qwen3(len(char_tokenizer))
     eager_model.set_attn_implementation("eager")
     eager = Backbone(eager_model, char_tokenizer)
-    assert eager.group_keys is None and eager.model.config._attn_implementation == "eager"
+    assert not eager.use_key_groups() and eager.group_keys is None
+    assert eager.model.config._attn_implementation == "eager"
     compiled = Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer, compile="default")
-    assert compiled.group_keys is None and compiled.model.config._attn_implementation == "sdpa"
-    # outside a grouped forward the implementation is sdpa's: a plain forward gives the same logits
-    ids = torch.tensor([[5, 6, 7, 8]])
-    plain = make_tiny_qwen3(len(char_tokenizer))
-    with torch.no_grad():
-        torch.testing.assert_close(sdpa.model(ids).logits, plain(ids).logits, atol=0, rtol=0)
+    assert not compiled.use_key_groups() and compiled.group_keys is None
+    assert compiled.model.config._attn_implementation == "sdpa"

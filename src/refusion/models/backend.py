@@ -142,12 +142,9 @@ class Backbone:
         #: now, before any compiled call (:func:`~refusion.models.ragged_forward.install_row_head` says why)
         self.head_per_row = install_row_head(self.model)
         #: one more attention group's price in (row, key) pairs in a batched forward, where consecutive rows
-        #: whose keys end early attend over fewer keys (:func:`~refusion.models.ragged_forward.key_groups`);
-        #: None: every row over the longest row's keys. Default: :data:`~refusion.models.ragged_forward.GROUP_KEYS_CPU`
-        #: for an uncompiled model attending through sdpa on the CPU, else None
+        #: whose keys end early attend over fewer keys (:meth:`use_key_groups`); None (the default): every
+        #: row attends over the longest row's keys
         self.group_keys: float | None = None
-        if compile is None and next(self.model.parameters()).device.type == "cpu" and install_key_groups(self.model):
-            self.group_keys = GROUP_KEYS_CPU
         #: the ``--compile`` mode the forwards run under (None: eager); see :func:`compiled_call`, and
         #: :class:`~refusion.models.aot.AotForward` for ``aot`` (whose other calls run ``default``)
         self.compile = compile
@@ -239,6 +236,24 @@ class Backbone:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def use_key_groups(self, price: float | None = GROUP_KEYS_CPU) -> bool:
+        """Batched forwards attend in key groups (:func:`~refusion.models.ragged_forward.key_groups`, one
+        more group priced at ``price`` (row, key) pairs), or not (None). Only an uncompiled model attending
+        through sdpa takes them (its attention implementation becomes
+        :data:`~refusion.models.ragged_forward.GROUPED_SDPA`, sdpa outside a grouped forward); returns
+        whether the forwards now attend in groups. Opt-in: on the CPU with the tiny models the groups
+        remove a quarter of the (row, key) pairs a server's calls attend but not a measurable part of its
+        CPU time (docs/serving.md#padded-keys)."""
+        if price is None:
+            self.group_keys = None
+            return False
+        if not price >= 0:  # NaN included
+            raise ValueError(f"key groups: the price of a group must be 0 or more, got {price}")
+        if self.compile is not None or not install_key_groups(self.model):
+            return False
+        self.group_keys = float(price)
+        return True
 
     # ----------------------------------------------------------------- forward
     def new_cache(self) -> DenseCache:

@@ -1,8 +1,9 @@
 """The transformers side of a ragged batch's forward (:class:`~refusion.models.kvcache.RaggedCache`): a cache
 layer that writes each row's new keys and values at that row's own column offset, the buffers it writes into,
 the output-head hook that computes logits only at each row's own requested positions, and attention in key
-groups: consecutive rows whose own keys end early attend over their own shorter key width, in an sdpa call of
-their own inside the same forward, instead of over the call's longest row's keys."""
+groups (opt-in: :meth:`~refusion.models.backend.Backbone.use_key_groups`): consecutive rows whose own keys end
+early attend over their own shorter key width, in an sdpa call of their own inside the same forward, instead
+of over the call's longest row's keys."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 #: the attention implementation :func:`install_key_groups` gives a model: sdpa, in key groups while a ragged
 #: forward sets them (:func:`attend_in_groups`), plain sdpa otherwise
 GROUPED_SDPA = "refusion_grouped_sdpa"
-#: on the CPU, one more attention group in a forward costs about as much as this many (row, key) pairs
-#: attended (tiny-ar, 4 layers: an sdpa call, its slices and the concatenation, against ~1 us per pair and
-#: forward; ``scripts/serve_overhead.py`` measures the served calls with and without groups)
+#: the default price of one more attention group in a forward, in (row, key) pairs attended: the cost
+#: model's 1.24 us per pair against an sdpa call per layer with its slices (tiny-ar: about 40 us per group
+#: and forward). In the served calls the marginal pair costs less (``scripts/serve_overhead.py``)
 GROUP_KEYS_CPU = 100.0
 #: a query-key pair's cost over a (row, key) pair's (the cost model's 65 ns over 1.24 us): a row fed T tokens
 #: over W keys costs W * (1 + T * PAIR_PER_KEY) (row, key) pairs
