@@ -1,6 +1,6 @@
 """Attention in key groups (models/ragged_forward.py, opt-in: ``Backbone.use_key_groups``): consecutive rows
-of a batched forward whose keys end early attend over fewer keys in a group of their own. The split is the cheapest contiguous one, and a
-forward in groups gives each row the logits of the same forward in one group."""
+of a batched forward whose keys end early attend over fewer keys in a group of their own. The split is the
+cheapest contiguous one, and a forward in groups gives each row the logits of the same forward in one group."""
 
 import itertools
 

@@ -244,7 +244,7 @@ class Backbone:
         :data:`~refusion.models.ragged_forward.GROUPED_SDPA`, sdpa outside a grouped forward); returns
         whether the forwards now attend in groups. Opt-in: on the CPU with the tiny models the groups
         remove a quarter of the (row, key) pairs a server's calls attend but not a measurable part of its
-        CPU time (docs/serving.md#padded-keys)."""
+        CPU time (docs/serving.md#key-groups)."""
         if price is None:
             self.group_keys = None
             return False

@@ -12,11 +12,11 @@ decoding loop runs unchanged on either.
   ``C``; row ``r`` holds its ``lengths[r]`` tokens at columns ``0 .. lengths[r]-1``, in the order the
   sequence's single-row cache would hold them. A forward writes each row's new tokens right after that
   row's own length (a per-row offset, no gaps) and attends with a per-row mask, so no row pays for
-  another row's length beyond the padding of the key dimension to the longest row (of its key group). Crop is a change of
-  a host integer; forking, reordering and dropping rows change a host mapping, which the next forward
-  applies in one gather over rows. The forwards of several sequences run as one model call
+  another row's length beyond the padding of the key dimension to the longest row (of its key group). Crop
+  is a change of a host integer; forking, reordering and dropping rows change a host mapping, which the
+  next forward applies in one gather over rows. The forwards of several sequences run as one model call
   (:meth:`RaggedCache.forward`); :mod:`refusion.models.ragged_forward` holds its transformers side (the
-  offset cache layer, the per-row output head and the key groups: :func:`~refusion.models.ragged_forward.key_groups`).
+  offset cache layer, the per-row output head and the opt-in key groups).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 GROUPED_SDPA = "refusion_grouped_sdpa"
 #: the default price of one more attention group in a forward, in (row, key) pairs attended: the cost
 #: model's 1.24 us per pair against an sdpa call per layer with its slices (tiny-ar: about 40 us per group
-#: and forward). In the served calls the marginal pair costs less (``scripts/serve_overhead.py``)
+#: and forward). Served AR calls (one token a row) pay more per group than that: docs/serving.md#key-groups
 GROUP_KEYS_CPU = 100.0
 #: a query-key pair's cost over a (row, key) pair's (the cost model's 65 ns over 1.24 us): a row fed T tokens
 #: over W keys costs W * (1 + T * PAIR_PER_KEY) (row, key) pairs
