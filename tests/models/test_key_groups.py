@@ -1,6 +1,7 @@
-"""Attention in key groups (models/ragged_forward.py, opt-in: ``Backbone.use_key_groups``): consecutive rows
-of a batched forward whose keys end early attend over fewer keys in a group of their own. The split is the
-cheapest contiguous one, and a forward in groups gives each row the logits of the same forward in one group."""
+"""Attention in key groups (models/ragged_forward.py, ``Backbone.use_key_groups``, on by default on the CPU): rows
+of a batched forward whose keys end early, one after another, attend over fewer keys in a group of their own.
+The split is the cheapest contiguous one, and a forward in groups gives each row the logits of the same forward
+in one group."""
 
 import itertools
 
@@ -20,7 +21,7 @@ def cost(groups, fed, price):
     return sum(price + (b - a) * w * (1 + fed * PAIR_PER_KEY) for a, b, w in groups) - price
 
 
-@given(needs=st.lists(st.integers(1, 60), min_size=1, max_size=9), fed=st.integers(1, 5),
+@given(needs=st.lists(st.integers(1, 60), min_size=1, max_size=9), fed=st.integers(2, 5),
        price=st.floats(0, 120))
 def test_key_groups_is_the_cheapest_contiguous_split(needs, fed, price):
     """Against every split of the rows into consecutive groups: no cheaper one, each group's width its
@@ -43,15 +44,16 @@ def test_key_groups_is_the_cheapest_contiguous_split(needs, fed, price):
 
 def test_over_64_rows_groups_start_on_a_coarser_grid():
     needs = list(range(300, 100, -1))  # 200 rows, each shorter than the last
-    groups = key_groups(needs, 1, 50.0)
+    groups = key_groups(needs, 2, 50.0)
     assert groups is not None and all(a % 4 == 0 for a, _, _ in groups)  # ceil(200 / 64) = 4
     assert sum((b - a) * w for a, b, w in groups) < len(needs) * max(needs)
 
 
-def test_a_free_group_per_row_and_a_prohibitive_price():
+def test_a_free_group_per_row_a_prohibitive_price_and_one_token_rows():
     needs = [40, 30, 30, 10]
-    assert key_groups(needs, 1, 0.5) == [(0, 1, 40), (1, 3, 30), (3, 4, 10)]  # equal needs share a group
-    assert key_groups(needs, 1, 1e9) is None
+    assert key_groups(needs, 2, 0.5) == [(0, 1, 40), (1, 3, 30), (3, 4, 10)]  # equal needs share a group
+    assert key_groups(needs, 2, 1e9) is None
+    assert key_groups(needs, 1, 0.0) is None  # one token a row: no groups
 
 
 @pytest.mark.parametrize("kind", ["causal", "full", "block"])
@@ -90,25 +92,25 @@ def test_rows_in_key_groups_get_the_logits_of_one_group(backbone, kind):
     assert (one_pairs, grouped_pairs) == (5 * 40 + 5 * 43, 5 * 40 + 43 + 6 + 28 + 4 + 15)
 
 
-def test_key_groups_are_opt_in_and_only_for_an_uncompiled_sdpa_model(char_tokenizer):
-    sdpa = Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer)
-    assert sdpa.group_keys is None and sdpa.model.config._attn_implementation == "sdpa"  # off by default
+def test_key_groups_are_on_for_an_uncompiled_sdpa_model_on_the_cpu_only(char_tokenizer):
+    plain = make_tiny_qwen3(len(char_tokenizer))
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        before = sdpa.model(ids).logits
-    assert sdpa.use_key_groups() and sdpa.group_keys == GROUP_KEYS_CPU
-    assert sdpa.model.config._attn_implementation == GROUPED_SDPA
+        before = plain(ids).logits
+    sdpa = Backbone(plain, char_tokenizer)
+    assert sdpa.group_keys == GROUP_KEYS_CPU and sdpa.model.config._attn_implementation == GROUPED_SDPA
     with torch.no_grad():  # outside a grouped forward the implementation is sdpa's
         torch.testing.assert_close(sdpa.model(ids).logits, before, atol=0, rtol=0)
     with pytest.raises(ValueError, match="price of a group must be 0 or more"):
         sdpa.use_key_groups(-1.0)
     assert sdpa.group_keys == GROUP_KEYS_CPU  # a refused price changes nothing
     assert not sdpa.use_key_groups(None) and sdpa.group_keys is None
+    assert sdpa.use_key_groups(7.0) and sdpa.group_keys == 7.0
     eager_model = make_tiny_qwen3(len(char_tokenizer))
     eager_model.set_attn_implementation("eager")
     eager = Backbone(eager_model, char_tokenizer)
-    assert not eager.use_key_groups() and eager.group_keys is None
+    assert eager.group_keys is None and not eager.use_key_groups()
     assert eager.model.config._attn_implementation == "eager"
     compiled = Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer, compile="default")
-    assert not compiled.use_key_groups() and compiled.group_keys is None
+    assert compiled.group_keys is None and not compiled.use_key_groups()
     assert compiled.model.config._attn_implementation == "sdpa"

@@ -1,9 +1,9 @@
 """The transformers side of a ragged batch's forward (:class:`~refusion.models.kvcache.RaggedCache`): a cache
 layer that writes each row's new keys and values at that row's own column offset, the buffers it writes into,
 the output-head hook that computes logits only at each row's own requested positions, and attention in key
-groups (opt-in: :meth:`~refusion.models.backend.Backbone.use_key_groups`): consecutive rows whose own keys end
-early attend over their own shorter key width, in an sdpa call of their own inside the same forward, instead
-of over the call's longest row's keys."""
+groups (:meth:`~refusion.models.backend.Backbone.use_key_groups`, on by default on the CPU): consecutive rows
+whose own keys end early attend over their own shorter key width, in an sdpa call of their own inside the same
+forward, instead of over the call's longest row's keys."""
 
 from __future__ import annotations
 
@@ -201,9 +201,10 @@ def key_groups(needs: list[int], fed: int, group_keys: float | None) -> list[tup
     longest row's own keys (``needs [R]``: each row's cached length plus the forward's width ``fed``); a row
     over ``w`` keys costs ``w * (1 + fed * PAIR_PER_KEY)`` (row, key) pairs and each group after the first
     ``group_keys`` (None: no groups). Returns ``[(first row, end row, width), ...]``, or None where one group
-    is cheapest. Over 64 rows, group boundaries fall on every ``ceil(R / 64)``-th row only."""
+    is cheapest, and for forwards of one token a row (served AR calls lose time in groups:
+    docs/serving.md#key-groups). Over 64 rows, group boundaries fall on every ``ceil(R / 64)``-th row only."""
     n = len(needs)
-    if group_keys is None or n < 2:
+    if group_keys is None or n < 2 or fed < 2:  # one token a row: a group's sdpa call costs more than its keys
         return None
     per_key = 1.0 + fed * PAIR_PER_KEY
     step = -(-n // 64)
