@@ -15,9 +15,9 @@ mode decodes every prompt once; ``--rounds`` interleaved rounds (the order rever
                     policy before calls by cached length);
 ``server``          the same engine inside the HTTP server (in this process, uvicorn on its own thread),
                     driven by ``refusion loadtest --concurrency 16`` in a subprocess;
-``offline-one-group``, ``engine-one-group``
-                    ``offline`` and ``engine`` without key groups (``Backbone.use_key_groups(None)``: every row
-                    of a batched forward attends over the longest row's keys, models/ragged_forward.py).
+``offline-key-groups``, ``engine-key-groups``
+                    ``offline`` and ``engine`` in key groups (``Backbone.use_key_groups()``: consecutive rows
+                    whose keys end early attend over fewer keys, models/ragged_forward.py).
 
 Per mode, on the decoding thread (the engine thread for the last two): its CPU seconds (``RUSAGE_THREAD``,
 user and system; the engine's ``refusion_engine_cpu_seconds_total`` for ``server``), minor page faults,
@@ -64,8 +64,8 @@ from refusion.serve.engine import CALL_PRICE_CPU, TOKEN_S_CPU, Engine, Job, call
 from refusion.serve.server import BackgroundServer, create_state
 from refusion.tasks import get_task
 
-MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server", "offline-one-group",
-         "engine-one-group")
+MODES = ("offline", "offline-thread", "offline-loop", "engine", "engine-width", "server", "offline-key-groups",
+         "engine-key-groups")
 #: CPU seconds of the decoding thread inside each timed function (one decoding thread runs at a time)
 spent = {"model": 0.0, "cache": 0.0}
 #: per batch-cache model call: (row, key) pairs padded and the rows' own, query-key pairs padded and own
@@ -225,9 +225,9 @@ def main() -> None:
         time.sleep(0.1)  # the engine counts its CPU time as it goes idle
         return {"user": server.state.engine.metrics.value(metric) - cpu, "sys": 0.0, "faults": None}
 
-    def one_group(fn) -> dict:
+    def key_groups(fn) -> dict:
         keep = bb.group_keys
-        bb.use_key_groups(None)
+        bb.use_key_groups()
         try:
             return fn()
         finally:
@@ -235,7 +235,7 @@ def main() -> None:
 
     run = {"offline": batches, "offline-thread": lambda: in_thread(batches), "offline-loop": with_loop,
            "engine": engine, "engine-width": lambda: engine(CallPrice(CALL_PRICE_CPU.call)), "server": served,
-           "offline-one-group": lambda: one_group(batches), "engine-one-group": lambda: one_group(engine)}
+           "offline-key-groups": lambda: key_groups(batches), "engine-key-groups": lambda: key_groups(engine)}
     bb.time_forwards, bb.forward_clock = True, time.thread_time  # each call's model CPU time (no sync on the CPU)
     batches()  # warm-up
     for m in modes[1:]:

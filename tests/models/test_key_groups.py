@@ -1,4 +1,4 @@
-"""Attention in key groups (models/ragged_forward.py, ``Backbone.use_key_groups``, on by default on the CPU): rows
+"""Attention in key groups (models/ragged_forward.py, opt-in: ``Backbone.use_key_groups``, ``$REFUSION_KEY_GROUPS``): rows
 of a batched forward whose keys end early, one after another, attend over fewer keys in a group of their own.
 The split is the cheapest contiguous one, and a forward in groups gives each row the logits of the same forward
 in one group."""
@@ -92,13 +92,15 @@ def test_rows_in_key_groups_get_the_logits_of_one_group(backbone, kind):
     assert (one_pairs, grouped_pairs) == (5 * 40 + 5 * 43, 5 * 40 + 43 + 6 + 28 + 4 + 15)
 
 
-def test_key_groups_are_on_for_an_uncompiled_sdpa_model_on_the_cpu_only(char_tokenizer):
+def test_key_groups_are_opt_in_and_only_for_an_uncompiled_sdpa_model(char_tokenizer):
     plain = make_tiny_qwen3(len(char_tokenizer))
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         before = plain(ids).logits
     sdpa = Backbone(plain, char_tokenizer)
-    assert sdpa.group_keys == GROUP_KEYS_CPU and sdpa.model.config._attn_implementation == GROUPED_SDPA
+    assert sdpa.group_keys is None and sdpa.model.config._attn_implementation == "sdpa"  # off by default
+    assert sdpa.use_key_groups() and sdpa.group_keys == GROUP_KEYS_CPU
+    assert sdpa.model.config._attn_implementation == GROUPED_SDPA
     with torch.no_grad():  # outside a grouped forward the implementation is sdpa's
         torch.testing.assert_close(sdpa.model(ids).logits, before, atol=0, rtol=0)
     with pytest.raises(ValueError, match="price of a group must be 0 or more"):
@@ -109,8 +111,23 @@ def test_key_groups_are_on_for_an_uncompiled_sdpa_model_on_the_cpu_only(char_tok
     eager_model = make_tiny_qwen3(len(char_tokenizer))
     eager_model.set_attn_implementation("eager")
     eager = Backbone(eager_model, char_tokenizer)
-    assert eager.group_keys is None and not eager.use_key_groups()
+    assert not eager.use_key_groups() and eager.group_keys is None
     assert eager.model.config._attn_implementation == "eager"
     compiled = Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer, compile="default")
-    assert compiled.group_keys is None and not compiled.use_key_groups()
+    assert not compiled.use_key_groups() and compiled.group_keys is None
     assert compiled.model.config._attn_implementation == "sdpa"
+
+
+def test_the_environment_sets_key_groups_at_load_and_a_bad_value_is_refused(char_tokenizer, monkeypatch):
+    monkeypatch.setenv("REFUSION_KEY_GROUPS", "off")
+    assert Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer).group_keys is None
+    monkeypatch.setenv("REFUSION_KEY_GROUPS", "250")
+    assert Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer).group_keys == 250.0
+    monkeypatch.setenv("REFUSION_KEY_GROUPS", "auto")
+    assert Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer).group_keys == GROUP_KEYS_CPU
+    monkeypatch.delenv("REFUSION_KEY_GROUPS")
+    assert Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer).group_keys is None
+    for bad in ("-1", "cheap", "nan"):
+        monkeypatch.setenv("REFUSION_KEY_GROUPS", bad)
+        with pytest.raises(ValueError, match=r"\$REFUSION_KEY_GROUPS: expected auto, off or"):
+            Backbone(make_tiny_qwen3(len(char_tokenizer)), char_tokenizer)

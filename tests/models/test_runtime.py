@@ -15,7 +15,6 @@ from refusion.models.backend import Backbone
 from refusion.models.checkpoint import load_model
 from refusion.models.families import get_family
 from refusion.models.loading import Runtime, RuntimeOptionError, RuntimeOptions, resolve_model_path
-from refusion.models.ragged_forward import GROUPED_SDPA
 
 
 @pytest.fixture
@@ -42,8 +41,7 @@ def test_defaults_on_cpu_are_float32_and_sdpa():
     assert (rt.device, rt.dtype, rt.attn_implementation, rt.device_map) == ("cpu", "float32", "sdpa", None)
     assert rt.torch_dtype == torch.float32
     bb = Backbone.from_pretrained("tiny-ar")
-    # sdpa, in key groups in batched forwards (models/ragged_forward.py)
-    assert bb.model.dtype == torch.float32 and bb.model.config._attn_implementation == GROUPED_SDPA
+    assert bb.model.dtype == torch.float32 and bb.model.config._attn_implementation == "sdpa"
     assert bb.device == torch.device("cpu")
 
 

@@ -31,7 +31,8 @@ from refusion.core.errors import MaskTokenError
 from refusion.models.aot import AotForward
 from refusion.models.loading import AOT_MODE, resolve_model_path
 from refusion.models.kvcache import DenseCache
-from refusion.models.ragged_forward import GROUP_KEYS_CPU, OffsetLayer, install_key_groups, install_row_head
+from refusion.models.ragged_forward import (GROUP_KEYS_CPU, OffsetLayer, install_key_groups, install_row_head,
+                                            key_groups_setting)
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 
@@ -143,13 +144,17 @@ class Backbone:
         self.head_per_row = install_row_head(self.model)
         #: one more attention group's price in (row, key) pairs in a batched forward, where consecutive rows
         #: whose keys end early attend over fewer keys (:meth:`use_key_groups`); None: every row attends over
-        #: the longest row's keys. Default: on for an uncompiled sdpa model on the CPU
+        #: the longest row's keys (the default; ``$REFUSION_KEY_GROUPS``:
+        #: :func:`~refusion.models.ragged_forward.key_groups_setting`)
         self.group_keys: float | None = None
         #: the ``--compile`` mode the forwards run under (None: eager); see :func:`compiled_call`, and
         #: :class:`~refusion.models.aot.AotForward` for ``aot`` (whose other calls run ``default``)
         self.compile = compile
-        if compile is None and next(self.model.parameters()).device.type == "cpu":
+        setting = key_groups_setting()  # $REFUSION_KEY_GROUPS: off (unset), auto (on the CPU) or a price
+        if setting == "auto" and next(self.model.parameters()).device.type == "cpu":
             self.use_key_groups()
+        elif setting not in ("auto", None):
+            self.use_key_groups(setting)
         self._call = self.model if compile is None else compiled_call(self.model, "default" if compile == AOT_MODE else compile)
         #: under ``aot``: the compiled forward (its ``fallbacks`` and per-kind ``calls``); else None
         self.aot = AotForward(self.model, fallback=self._call) if compile == AOT_MODE else None
@@ -244,9 +249,10 @@ class Backbone:
         more group priced at ``price`` (row, key) pairs), or not (None). Only an uncompiled model attending
         through sdpa takes them (its attention implementation becomes
         :data:`~refusion.models.ragged_forward.GROUPED_SDPA`, sdpa outside a grouped forward); returns
-        whether the forwards now attend in groups. On by default on the CPU: a server's block-diffusion
-        calls attend a quarter fewer (row, key) pairs and take about 5% less engine CPU time; forwards of
-        one token a row never split (docs/serving.md#key-groups)."""
+        whether the forwards now attend in groups. Opt-in (or ``REFUSION_KEY_GROUPS=auto``): a server's
+        block-diffusion calls attend a quarter fewer (row, key) pairs and take 3 - 6% less engine CPU time
+        in each run measured, within each run's spread; forwards of one token a row never split
+        (docs/serving.md#key-groups)."""
         if price is None:
             self.group_keys = None
             return False

@@ -16,7 +16,7 @@ decoding loop runs unchanged on either.
   is a change of a host integer; forking, reordering and dropping rows change a host mapping, which the
   next forward applies in one gather over rows. The forwards of several sequences run as one model call
   (:meth:`RaggedCache.forward`); :mod:`refusion.models.ragged_forward` holds its transformers side (the
-  offset cache layer, the per-row output head and the key groups).
+  offset cache layer, the per-row output head and the opt-in key groups).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The transformers side of a ragged batch's forward (:class:`~refusion.models.kvcache.RaggedCache`): a cache
 layer that writes each row's new keys and values at that row's own column offset, the buffers it writes into,
 the output-head hook that computes logits only at each row's own requested positions, and attention in key
-groups (:meth:`~refusion.models.backend.Backbone.use_key_groups`, on by default on the CPU): consecutive rows
+groups (opt-in: :meth:`~refusion.models.backend.Backbone.use_key_groups`, ``$REFUSION_KEY_GROUPS``): consecutive rows
 whose own keys end early attend over their own shorter key width, in an sdpa call of their own inside the same
 forward, instead of over the call's longest row's keys."""
 
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +26,8 @@ GROUPED_SDPA = "refusion_grouped_sdpa"
 #: model's 1.24 us per pair against an sdpa call per layer with its slices (tiny-ar: about 40 us per group
 #: and forward). Served AR calls (one token a row) pay more per group than that: docs/serving.md#key-groups
 GROUP_KEYS_CPU = 100.0
+#: the environment variable that sets a Backbone's key groups at load (:func:`key_groups_setting`)
+KEY_GROUPS_ENV = "REFUSION_KEY_GROUPS"
 #: a query-key pair's cost over a (row, key) pair's (the cost model's 65 ns over 1.24 us): a row fed T tokens
 #: over W keys costs W * (1 + T * PAIR_PER_KEY) (row, key) pairs
 PAIR_PER_KEY = 65e-9 / 1.24e-6
@@ -239,3 +242,20 @@ def attend_in_groups(model, groups: list[tuple[int, int, int]] | None):
         yield
     finally:
         holder.groups = None
+
+
+def key_groups_setting() -> float | None | str:
+    """``$REFUSION_KEY_GROUPS``: ``off`` (unset; None), ``auto`` (key groups for an uncompiled sdpa model on the
+    CPU, at :data:`GROUP_KEYS_CPU`) or a group's price in (row, key) pairs (a number >= 0, on any device);
+    anything else raises a ``ValueError`` naming the variable."""
+    text = os.environ.get(KEY_GROUPS_ENV, "off").strip()
+    if text in ("auto", "off"):
+        return None if text == "off" else "auto"
+    try:
+        price = float(text)
+    except ValueError:
+        price = float("nan")
+    if not price >= 0:
+        raise ValueError(f"${KEY_GROUPS_ENV}: expected auto, off or a group's price in (row, key) pairs (a number "
+                         f">= 0), got {text!r}")
+    return price
