@@ -245,7 +245,7 @@ def shape_split(price: CallPrice) -> SplitPolicy:
             for i in range(j):
                 members = sorted((k for k, s in enumerate(shapes) if levels[i] <= s[0] <= levels[j - 1]),
                                  key=lambda k: shapes[k][1])
-                cost, parts = _cached_runs(price, [shapes[k] for k in members])
+                cost, parts = cheapest_runs(price, [shapes[k] for k in members])
                 runs[i, j] = [[members[k] for k in part] for part in parts]
                 if best[i] + cost < best[j]:
                     best[j], start[j] = best[i] + cost, i
@@ -258,14 +258,16 @@ def shape_split(price: CallPrice) -> SplitPolicy:
     return split
 
 
-def _cached_runs(price: CallPrice, shapes: list[tuple[int, int, int]]) -> tuple[float, list[list[int]]]:
-    """The cheapest split of ``shapes`` ((width, cached, rows), sorted by cached) into contiguous runs:
-    (its cost, the runs as index lists)."""
+def cheapest_runs(price: CallPrice, shapes: list[tuple[int, int, int]]) -> tuple[float, list[list[int]]]:
+    """The cheapest split of ``shapes`` ((width, cached, rows), in their order) into contiguous runs, each
+    priced by :meth:`CallPrice.cost` at its widest and longest: (its cost, the runs as index lists). Calls
+    by cached length (:func:`shape_split`) and a forward's key groups
+    (:func:`~refusion.models.ragged_forward.key_groups`) are such splits."""
     best, start = [0.0] + [float("inf")] * len(shapes), [0] * (len(shapes) + 1)
     for j in range(1, len(shapes) + 1):
-        cached, n, width = shapes[j - 1][1], 0, 0
-        for i in range(j - 1, -1, -1):  # the run shapes[i:j], grown to the left: its longest is shapes[j-1]
-            n, width = n + shapes[i][2], max(width, shapes[i][0])
+        cached, n, width = 0, 0, 0
+        for i in range(j - 1, -1, -1):  # the run shapes[i:j], grown to the left
+            n, width, cached = n + shapes[i][2], max(width, shapes[i][0]), max(cached, shapes[i][1])
             cost = best[i] + price.cost(n, width, cached)
             if cost < best[j]:
                 best[j], start[j] = cost, i

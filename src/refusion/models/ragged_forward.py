@@ -19,6 +19,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
+from refusion.core.loop import CallPrice, cheapest_runs
+
 #: the attention implementation :func:`install_key_groups` gives a model: sdpa, in key groups while a ragged
 #: forward sets them (:func:`attend_in_groups`), plain sdpa otherwise
 GROUPED_SDPA = "refusion_grouped_sdpa"
@@ -209,24 +211,13 @@ def key_groups(needs: list[int], fed: int, group_keys: float | None) -> list[tup
     n = len(needs)
     if group_keys is None or n < 2 or fed < 2:  # one token a row: a group's sdpa call costs more than its keys
         return None
-    per_key = 1.0 + fed * PAIR_PER_KEY
     step = -(-n // 64)
-    cuts = list(range(0, n, step)) + [n]  # candidate group boundaries
-    # best[j]: least cost of rows cuts[0] .. cuts[j]-1; start[j]: where its last group begins (an index of cuts)
-    best, start = [0.0] + [float("inf")] * (len(cuts) - 1), [0] * len(cuts)
-    for j in range(1, len(cuts)):
-        widest = 0
-        for i in range(j - 1, -1, -1):  # the group cuts[i] .. cuts[j]-1, grown leftwards
-            widest = max(widest, max(needs[cuts[i]: cuts[i + 1]]))
-            cost = best[i] + group_keys + (cuts[j] - cuts[i]) * widest * per_key
-            if cost < best[j]:
-                best[j], start[j] = cost, i
-    groups, j = [], len(cuts) - 1
-    while j:
-        i = start[j]
-        groups.append((cuts[i], cuts[j], max(needs[cuts[i]: cuts[j]])))
-        j = i
-    return groups[::-1] if len(groups) > 1 else None
+    blocks = [(0, max(needs[a: a + step]), min(step, n - a)) for a in range(0, n, step)]  # (0, need, rows)
+    # a group of n rows over w keys: group_keys + n * w * (1 + fed * PAIR_PER_KEY), as a call's price
+    _, runs = cheapest_runs(CallPrice(group_keys, 1.0 + fed * PAIR_PER_KEY), blocks)
+    if len(runs) < 2:
+        return None
+    return [(run[0] * step, min(n, (run[-1] + 1) * step), max(blocks[b][1] for b in run)) for run in runs]
 
 
 @contextmanager
